@@ -1,0 +1,6 @@
+#pragma once
+#include <metal_stdlib>
+
+// Overloads with the same name that do not call each other are fine.
+inline float to_float(half x) { return float(x); }
+inline float to_float(float x) { return x; }

@@ -1,0 +1,100 @@
+"""The MSL lint: each forbidden construct is reported at its line; legitimate MSL is not."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bnb_mps import kernel_source, msl_lint
+
+CASES = Path(__file__).parent / "lint_cases"
+BAD_CASES = sorted(p for p in CASES.glob("*.metal") if p.name != "clean.metal")
+RULES = {"double", "std", "libc", "lambda", "recursion", "address-space", "threadgroup-param",
+         "include", "function-constant", "threadgroup-array", "non-ascii"}
+
+
+def expected_findings(path: Path) -> set[tuple[int, str]]:
+    """(line, rule) pairs marked in a case file with `// expect: <rule>`."""
+    text = path.read_text(encoding="utf-8")
+    return {(i, m.group(1)) for i, line in enumerate(text.splitlines(), 1)
+            for m in re.finditer(r"expect: ([\w-]+)", line)}
+
+
+@pytest.mark.parametrize("path", BAD_CASES, ids=lambda p: p.stem)
+def test_bad_case_reported_at_marked_lines(path):
+    expected = expected_findings(path)
+    assert expected, f"{path.name} has no `// expect:` markers"
+    found = {(f.line, f.rule) for f in msl_lint.lint_source(path.read_text(encoding="utf-8"), path.name)}
+    assert found == expected
+
+
+def test_every_rule_has_a_case():
+    covered = {rule for p in BAD_CASES for _, rule in expected_findings(p)}
+    assert covered == RULES
+
+
+def test_clean_case_passes():
+    assert msl_lint.lint_paths([CASES / "clean.metal", CASES / "clean_helper.h", CASES / "local.h"]) == []
+
+
+def test_project_kernels_pass():
+    kernels = kernel_source.kernel_dir()
+    assert list(kernels.glob("*.metal"))
+    findings = msl_lint.lint_paths([kernels])
+    assert findings == [], "\n".join(map(str, findings))
+
+
+LEGIT = [
+    "inline float f(device const float* x) { return x[0]; }",
+    "inline void f(thread float& r) { r = 1.0f; }",
+    "kernel void k(constant uint& n [[buffer(2)]], device float* o [[buffer(0)]]) { o[0] = float(n); }",
+    "kernel void k(device float* o [[buffer(0)]]) { threadgroup float buf[256]; buf[0] = 1; o[0] = buf[0]; }",
+    "template <typename T, uint N> inline T g(const thread T* v) { threadgroup T t[N]; return v[0]; }",
+    "inline float f(float a, float b) { return metal::precise::divide(a, b); }",
+    "inline float f(float a) { return metal::precise::sqrt(a) * a; }",
+    "inline uint f(uint a, uint b) { uint c = a & b; uint d = a * b; return c + d; }",
+    "inline float f(thread const float* v) { float w[2] = {v[0] * v[1], v[1] & 1}; return w[0]; }",
+    "inline int f(int a) { return metal::abs(a); }",
+    "struct S { device float* p; thread int& r; };",
+    "inline float f(device float* x) { return x->y; }",
+]
+
+
+@pytest.mark.parametrize("snippet", LEGIT)
+def test_no_false_positive(snippet):
+    assert msl_lint.lint_source("#include <metal_stdlib>\nusing namespace metal;\n" + snippet) == []
+
+
+@pytest.mark.parametrize("snippet,rule", [
+    ("inline float f(float a) { return a; }\nkernel void k() { float* p = 0; }", "address-space"),
+    ("struct S { float* p; };", "address-space"),
+    ("inline float& f(thread float* x) { return x[0]; }", "address-space"),
+    ("inline float f(device float* x) { return *reinterpret_cast<float*>(x); }", "address-space"),
+    ("inline void f() { ::printf(\"x\"); }", "libc"),
+    ("inline void f() { int v[4]; auto g = [&v]() mutable { v[0] = 1; }; }", "lambda"),
+    ("#include <metal_stdlib>\n#include MACRO_HEADER\n", "include"),
+])
+def test_more_violations(snippet, rule):
+    assert rule in {f.rule for f in msl_lint.lint_source(snippet)}
+
+
+def test_comments_and_strings_are_ignored_but_lines_kept():
+    src = '/* double\n std:: */ // printf(\ninline float f() { return 0.0f; } // double\nconstant char* s = "double";\ndouble x;\n'
+    code, no_strings = msl_lint.strip_comments_and_strings(src)
+    assert code.count("\n") == src.count("\n") and len(code) == len(src) == len(no_strings)
+    findings = msl_lint.lint_source(src)
+    assert [(f.line, f.rule) for f in findings if f.rule == "double"] == [(5, "double")]
+
+
+def test_cli_exit_codes():
+    bad = subprocess.run([sys.executable, "-m", "bnb_mps.msl_lint", str(CASES / "double.metal")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert f"{CASES / 'double.metal'}:5: [double]" in bad.stdout
+    good = subprocess.run([sys.executable, "-m", "bnb_mps.msl_lint", str(CASES / "clean.metal")],
+                          capture_output=True, text=True)
+    assert good.returncode == 0 and good.stdout == ""
