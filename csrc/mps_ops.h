@@ -1,0 +1,81 @@
+// The native Metal executor of bnb_mps: compile or load the kernel library once, cache one compute
+// pipeline per kernel name, and encode launches on PyTorch's current MPS stream.
+//
+// This interface is plain C++ (no Objective-C types), so that it can be read and included without
+// Apple's SDK; everything Metal lives in mps_ops.mm. It knows nothing of bitsandbytes: the Python
+// op layer chooses kernels, grids and arguments (bnb_mps/ops), the Python executor validates the
+// launch geometry (bnb_mps/executors/native.py).
+//
+// Errors are C++ exceptions, never aborts: std::invalid_argument for bad input (ValueError in
+// Python), std::runtime_error for Metal failures (RuntimeError in Python).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace bnb_mps {
+
+// Threadgroups per grid, or threads per threadgroup: (x, y, z).
+using Dim3 = std::array<uint64_t, 3>;
+
+// One launch argument, bound to [[buffer(i)]] for the i-th argument: either an mps tensor (bound
+// as its storage's MTLBuffer at byte offset storage_offset * element_size) or the exact bytes of
+// a `constant T&` scalar (bound with setBytes).
+struct KernelArg {
+  at::Tensor tensor;  // defined() for a buffer argument
+  std::string bytes;  // otherwise: the scalar's bytes (1..4096 of them)
+};
+
+// What Metal reports for one compiled kernel.
+struct PipelineInfo {
+  uint64_t max_total_threads_per_threadgroup;
+  uint64_t thread_execution_width;
+  uint64_t static_threadgroup_memory_length;
+};
+
+class KernelLibrary {
+ public:
+  // Compiles MSL source at run time with safe math (no fast-math) and MSL >= 3.1 where the OS
+  // has it. Throws std::runtime_error with the compiler's message on failure.
+  static std::shared_ptr<KernelLibrary> compile(const std::string& source);
+
+  // Loads a .metallib built offline (xcrun metal). Throws std::runtime_error on failure.
+  static std::shared_ptr<KernelLibrary> load_metallib(const std::string& path);
+
+  ~KernelLibrary();
+  KernelLibrary(const KernelLibrary&) = delete;
+  KernelLibrary& operator=(const KernelLibrary&) = delete;
+
+  // "source" or "metallib:<path>".
+  const std::string& origin() const;
+
+  // Names of the kernel functions in the library.
+  std::vector<std::string> function_names() const;
+
+  // Creates (on first use) and describes the pipeline of `kernel`; std::invalid_argument naming
+  // it when the library has no such function.
+  PipelineInfo pipeline_info(const std::string& kernel);
+
+  // Encodes `kernel` over `grid` threadgroups of `threadgroup` threads on PyTorch's current MPS
+  // stream. Asynchronous: never ends the encoder, commits or waits. A grid with a zero dimension
+  // encodes nothing.
+  void launch(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
+              const std::vector<KernelArg>& args);
+
+  struct Impl;
+
+ private:
+  explicit KernelLibrary(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The kernel amalgamation embedded at build time (empty if the build saw no kernel files).
+std::string_view embedded_kernel_source();
+
+}  // namespace bnb_mps

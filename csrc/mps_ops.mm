@@ -1,0 +1,340 @@
+// The native Metal executor: library compile/load, pipeline cache, argument binding, dispatch.
+// Compiled with -fobjc-arc (see csrc/mps.cmake). Everything that can live in Python does
+// (bnb_mps/executors/native.py); this file stays a thin, generic launcher.
+//
+// Launches follow the pattern of PyTorch's own Metal kernels: inside dispatch_sync on the current
+// MPS stream's serial queue, take the stream's shared compute encoder (stream->commandEncoder()),
+// set the pipeline, bind buffers at storage_offset * element_size and scalars with setBytes, and
+// dispatch. PyTorch owns the encoder and the command buffer: nothing here ends, commits or waits,
+// so consecutive kernels (ours and PyTorch's) coalesce into one encoder.
+
+#include "mps_ops.h"
+
+#include <ATen/mps/MPSDevice.h>
+#include <ATen/mps/MPSStream.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#import <Foundation/Foundation.h>
+#import <Metal/Metal.h>
+
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+
+#include "bnb_mps_kernels_embedded.h"  // generated at build time by bnb_mps/executors/_embed_kernels.py
+
+namespace bnb_mps {
+namespace {
+
+// Metal's limit for setBytes; larger constants belong in a buffer.
+constexpr size_t kMaxSetBytesLength = 4096;
+
+std::string describe(NSError* error) {
+  if (error == nil) {
+    return "no error description";
+  }
+  // For compile failures, localizedDescription carries the compiler's log.
+  const char* text = error.localizedDescription.UTF8String;
+  return text != nullptr ? std::string(text) : std::string("no error description");
+}
+
+id<MTLDevice> metal_device() {
+  // PyTorch's own device, so that pipelines and tensors live on the same MTLDevice.
+  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
+  if (device == nil) {
+    throw std::runtime_error("no Metal device (torch.backends.mps.is_available() is False)");
+  }
+  return device;
+}
+
+// Quantization must not depend on the compiler's math mode: no fast-math, precise functions.
+void use_safe_math(MTLCompileOptions* options) {
+#if defined(__MAC_15_0)
+  if (@available(macOS 15.0, *)) {
+    options.mathMode = MTLMathModeSafe;
+    options.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+    return;
+  }
+#endif
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+  options.fastMathEnabled = NO;
+#pragma clang diagnostic pop
+}
+
+// The MTLBuffer behind an mps tensor's storage. The MPS allocator's data pointer *is* the buffer
+// object; __bridge borrows it without changing its retain count (PyTorch owns the buffer).
+id<MTLBuffer> storage_buffer(const at::Tensor& tensor) {
+  return (__bridge id<MTLBuffer>)(tensor.storage().data());
+}
+
+}  // namespace
+
+struct KernelLibrary::Impl {
+  id<MTLLibrary> library = nil;
+  std::string origin;
+  std::mutex mutex;  // guards `pipelines`
+  std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines;
+
+  // Wraps a compiled or loaded library (the nested class may call the private constructor).
+  static std::shared_ptr<KernelLibrary> wrap(id<MTLLibrary> library, std::string origin) {
+    auto impl = std::make_unique<Impl>();
+    impl->library = library;
+    impl->origin = std::move(origin);
+    return std::shared_ptr<KernelLibrary>(new KernelLibrary(std::move(impl)));
+  }
+
+  // The cached pipeline of `kernel`, created on first use. Creation happens under the lock: it is
+  // rare (once per kernel and process) and keeps two threads from compiling the same kernel.
+  id<MTLComputePipelineState> pipeline(const std::string& kernel) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto found = pipelines.find(kernel);
+    if (found != pipelines.end()) {
+      return found->second;
+    }
+    @autoreleasepool {
+      NSString* name = [NSString stringWithUTF8String:kernel.c_str()];
+      id<MTLFunction> function = name != nil ? [library newFunctionWithName:name] : nil;
+      if (function == nil) {
+        throw std::invalid_argument("kernel '" + kernel + "' is not in the bnb_mps kernel library (" +
+                                    origin + ")");
+      }
+      NSError* error = nil;
+      id<MTLComputePipelineState> state = [metal_device() newComputePipelineStateWithFunction:function
+                                                                                        error:&error];
+      if (state == nil) {
+        throw std::runtime_error("cannot create the compute pipeline of kernel '" + kernel +
+                                 "': " + describe(error));
+      }
+      pipelines.emplace(kernel, state);
+      return state;
+    }
+  }
+};
+
+namespace {
+
+void check_args(const std::string& kernel, const std::vector<KernelArg>& args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const KernelArg& arg = args[i];
+    const std::string where = "argument " + std::to_string(i) + " ([[buffer(" + std::to_string(i) +
+                              ")]]) of kernel '" + kernel + "'";
+    if (arg.tensor.defined()) {
+      if (arg.tensor.device().type() != c10::DeviceType::MPS) {
+        throw std::invalid_argument(where + " is a tensor on " + arg.tensor.device().str() +
+                                    "; expected a tensor on mps");
+      }
+    } else if (arg.bytes.empty() || arg.bytes.size() > kMaxSetBytesLength) {
+      throw std::invalid_argument(where + " is a scalar of " + std::to_string(arg.bytes.size()) +
+                                  " bytes; expected 1 to " + std::to_string(kMaxSetBytesLength));
+    }
+  }
+}
+
+}  // namespace
+
+KernelLibrary::KernelLibrary(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+KernelLibrary::~KernelLibrary() = default;
+
+std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source) {
+  if (source.empty()) {
+    throw std::invalid_argument("kernel source is empty");
+  }
+  @autoreleasepool {
+    NSString* text = [[NSString alloc] initWithBytes:source.data()
+                                              length:source.size()
+                                            encoding:NSUTF8StringEncoding];
+    if (text == nil) {
+      throw std::invalid_argument("kernel source is not valid UTF-8");
+    }
+    MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+    use_safe_math(options);
+    if (@available(macOS 14.0, *)) {
+      options.languageVersion = MTLLanguageVersion3_1;  // bfloat
+    }
+    NSError* error = nil;
+    id<MTLLibrary> library = [metal_device() newLibraryWithSource:text options:options error:&error];
+    if (library == nil) {
+      throw std::runtime_error("the Metal compiler rejected the kernel source: " + describe(error));
+    }
+    return Impl::wrap(library, "source");
+  }
+}
+
+std::shared_ptr<KernelLibrary> KernelLibrary::load_metallib(const std::string& path) {
+  @autoreleasepool {
+    NSString* ns_path = [NSString stringWithUTF8String:path.c_str()];
+    if (ns_path == nil) {
+      throw std::invalid_argument("metallib path is not valid UTF-8");
+    }
+    NSError* error = nil;
+    id<MTLLibrary> library = [metal_device() newLibraryWithURL:[NSURL fileURLWithPath:ns_path]
+                                                         error:&error];
+    if (library == nil) {
+      throw std::runtime_error("cannot load " + path + ": " + describe(error));
+    }
+    return Impl::wrap(library, "metallib:" + path);
+  }
+}
+
+const std::string& KernelLibrary::origin() const {
+  return impl_->origin;
+}
+
+std::vector<std::string> KernelLibrary::function_names() const {
+  std::vector<std::string> names;
+  @autoreleasepool {
+    for (NSString* name in impl_->library.functionNames) {
+      names.emplace_back(name.UTF8String);
+    }
+  }
+  return names;
+}
+
+PipelineInfo KernelLibrary::pipeline_info(const std::string& kernel) {
+  id<MTLComputePipelineState> state = impl_->pipeline(kernel);
+  return PipelineInfo{state.maxTotalThreadsPerThreadgroup, state.threadExecutionWidth,
+                      state.staticThreadgroupMemoryLength};
+}
+
+void KernelLibrary::launch(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
+                           const std::vector<KernelArg>& args) {
+  if (threadgroup[0] == 0 || threadgroup[1] == 0 || threadgroup[2] == 0) {
+    throw std::invalid_argument("threadgroup of kernel '" + kernel + "' has a zero dimension");
+  }
+  if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
+    return;  // nothing to run
+  }
+  check_args(kernel, args);
+  id<MTLComputePipelineState> state = impl_->pipeline(kernel);
+  const uint64_t threads = threadgroup[0] * threadgroup[1] * threadgroup[2];
+  if (threads > state.maxTotalThreadsPerThreadgroup) {
+    throw std::invalid_argument("threadgroup of " + std::to_string(threads) + " threads exceeds the " +
+                                std::to_string(state.maxTotalThreadsPerThreadgroup) +
+                                " that kernel '" + kernel + "' allows");
+  }
+
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  const std::vector<KernelArg>* bound = &args;  // the block captures a pointer, not a copy
+  const MTLSize groups = MTLSizeMake(grid[0], grid[1], grid[2]);
+  const MTLSize group_size = MTLSizeMake(threadgroup[0], threadgroup[1], threadgroup[2]);
+  // C++ exceptions must not unwind through a GCD block: catch inside, rethrow on this thread.
+  __block std::exception_ptr failure;
+  dispatch_sync(stream->queue(), ^() {
+    @autoreleasepool {
+      try {
+        id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+        [encoder setComputePipelineState:state];
+        for (size_t i = 0; i < bound->size(); ++i) {
+          const KernelArg& arg = (*bound)[i];
+          if (arg.tensor.defined()) {
+            [encoder setBuffer:storage_buffer(arg.tensor)
+                        offset:static_cast<NSUInteger>(arg.tensor.storage_offset() * arg.tensor.element_size())
+                       atIndex:i];
+          } else {
+            [encoder setBytes:arg.bytes.data() length:arg.bytes.size() atIndex:i];
+          }
+        }
+        [encoder dispatchThreadgroups:groups threadsPerThreadgroup:group_size];
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+  });
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
+}
+
+std::string_view embedded_kernel_source() {
+  return std::string_view(reinterpret_cast<const char*>(kBnbMpsKernelSource), kBnbMpsKernelSourceSize);
+}
+
+}  // namespace bnb_mps
+
+// ---------------------------------------------------------------------------------------------
+// Python module bnb_mps._native. Arguments: a sequence of mps tensors and `bytes` (a Scalar's
+// to_bytes()). pybind11 turns std::invalid_argument into ValueError and std::runtime_error into
+// RuntimeError; c10::Error is rewritten without its C++ backtrace.
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename F>
+auto translate_errors(F&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const c10::ValueError& e) {
+    throw std::invalid_argument(e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(e.what_without_backtrace());
+  }
+}
+
+std::vector<bnb_mps::KernelArg> to_kernel_args(const py::sequence& args) {
+  std::vector<bnb_mps::KernelArg> out(args.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    py::object arg = args[i];  // owns a reference while we read it
+    if (THPVariable_Check(arg.ptr())) {
+      out[i].tensor = THPVariable_Unpack(arg.ptr());
+    } else if (PyBytes_Check(arg.ptr())) {
+      out[i].bytes = arg.cast<std::string>();
+    } else {
+      throw py::type_error("argument " + std::to_string(i) +
+                           " must be a tensor or bytes (a Scalar's to_bytes()), got " +
+                           std::string(py::str(py::type::of(arg).attr("__name__"))));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "bnb_mps native Metal executor (see csrc/mps_ops.h)";
+
+  py::class_<bnb_mps::KernelLibrary, std::shared_ptr<bnb_mps::KernelLibrary>>(m, "KernelLibrary")
+      .def_property_readonly("origin", &bnb_mps::KernelLibrary::origin)
+      .def("function_names", &bnb_mps::KernelLibrary::function_names)
+      .def(
+          "pipeline_info",
+          [](bnb_mps::KernelLibrary& self, const std::string& kernel) {
+            const auto info = translate_errors([&] { return self.pipeline_info(kernel); });
+            py::dict out;
+            out["max_total_threads_per_threadgroup"] = info.max_total_threads_per_threadgroup;
+            out["thread_execution_width"] = info.thread_execution_width;
+            out["static_threadgroup_memory_length"] = info.static_threadgroup_memory_length;
+            return out;
+          },
+          py::arg("kernel"))
+      .def(
+          "launch",
+          [](bnb_mps::KernelLibrary& self, const std::string& kernel, const bnb_mps::Dim3& grid,
+             const bnb_mps::Dim3& threadgroup, const py::sequence& args) {
+            std::vector<bnb_mps::KernelArg> bound = to_kernel_args(args);
+            py::gil_scoped_release no_gil;  // encoding may wait for the stream's queue
+            translate_errors([&] { self.launch(kernel, grid, threadgroup, bound); });
+          },
+          py::arg("kernel"), py::arg("grid"), py::arg("threadgroup"), py::arg("args"));
+
+  m.def(
+      "compile_library",
+      [](const std::string& source) {
+        return translate_errors([&] { return bnb_mps::KernelLibrary::compile(source); });
+      },
+      py::arg("source"), "Compile MSL source (safe math) into a KernelLibrary.");
+  m.def(
+      "load_metallib",
+      [](const std::string& path) {
+        return translate_errors([&] { return bnb_mps::KernelLibrary::load_metallib(path); });
+      },
+      py::arg("path"), "Load a .metallib built offline into a KernelLibrary.");
+  m.def(
+      "embedded_source", [] { return std::string(bnb_mps::embedded_kernel_source()); },
+      "The kernel amalgamation embedded at build time ('' if the build saw no kernels).");
+}
