@@ -219,7 +219,9 @@ def get_device(
         if reason is None:
             if failures:
                 logger.warning(
-                    "Using %s instead: %s", device, "; ".join(f"{d}: {r}" for d, r in failures)
+                    "%s; using %s instead",
+                    "; ".join(f"device {d} is not usable ({r})" for d, r in failures),
+                    device,
                 )
             return device
         if not fallback_on_error:
@@ -228,7 +230,6 @@ def get_device(
                 f"device {device}{origin} is not usable: {reason}. "
                 "Pass fallback_on_error=True to fall back to another device."
             )
-        logger.warning("Device %s is not usable (%s); trying the next one", device, reason)
         failures.append((device, reason))
     raise RuntimeError(
         "no usable device: " + "; ".join(f"{d}: {r}" for d, r in failures)
@@ -398,7 +399,7 @@ def check_mps_limitations(
 
     findings.append(_compile_finding(tv))
 
-    findings.append(Finding("distributed", "warning" if training else "info", (
+    findings.append(Finding("distributed", "info", (
         "distributed training is not available on MPS: torch.distributed has no MPS backend "
         "(NCCL is CUDA-only; gloo handles CPU tensors). Train on the single MPS device."
     )))
@@ -527,9 +528,14 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-def _free_memory(device: Optional[torch.device]) -> None:
-    """Return cached allocator memory so the next try starts clean; never fails."""
-    gc.collect()
+def _free_memory(device: Optional[torch.device], collect: bool) -> None:
+    """Return cached allocator memory so the next try starts clean; never fails.
+
+    ``collect`` runs a full garbage collection first (a tenth of a second with torch
+    loaded), worth it after an out-of-memory error whose remains may sit in cycles.
+    """
+    if collect:
+        gc.collect()
     kind = device.type if device is not None else None
     try:
         if kind in (None, "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -543,6 +549,32 @@ def _free_memory(device: Optional[torch.device]) -> None:
         pass
 
 
+def _largest_fitting(fits: Callable[[int], bool], start: int, limit: Optional[int]) -> int:
+    """Largest n in [start, limit] with fits(n), assuming fits is monotone; 0 if not fits(start).
+
+    Doubling from ``start`` until a failure (or ``limit``), then bisection between the last
+    success and the first failure: about 2*log2(answer) calls.
+    """
+    if not fits(start):
+        return 0
+    good, bad = start, None
+    while bad is None:
+        if limit is not None and good >= limit:
+            return good
+        trial = good * 2 if limit is None else min(good * 2, limit)
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
 def find_max_batch_size(
     step_fn: Callable[[int], object],
     start: int = 8,
@@ -554,8 +586,8 @@ def find_max_batch_size(
     Tries ``start``, then doubles until a size fails (or ``limit`` is reached), then
     bisects between the last success and the first failure. Out-of-memory errors of every
     backend count as failure (see :func:`is_out_of_memory`); any other exception is
-    re-raised. Caches are freed after every try (``device`` says which backend's; None:
-    every backend in use).
+    re-raised. Allocator caches are emptied after every try (``device`` says which
+    backend's; None: every backend in use), with a garbage collection after a failure.
 
     Returns 0 when ``start`` itself does not fit (a warning is logged); call again with a
     smaller ``start``. Assumes memory use grows with the batch size.
@@ -576,30 +608,17 @@ def find_max_batch_size(
             if not is_out_of_memory(exc):
                 raise
             ok = False
-            logger.info("batch size %d: out of memory (%s)", batch_size, str(exc).splitlines()[0][:200])
-        # The exception (and the frames holding its tensors) is gone here, so freeing works.
-        _free_memory(dev)
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            logger.info("batch size %d: out of memory (%s)", batch_size, first_line[:200])
+        # Outside the except block the exception and the frames holding its tensors are
+        # released, so emptying the caches can actually return their memory.
+        _free_memory(dev, collect=not ok)
         return ok
 
-    if not fits(start):
+    best = _largest_fitting(fits, start, limit)
+    if best == 0:
         logger.warning("batch size %d (the start) already runs out of memory; returning 0", start)
-        return 0
-    good, bad = start, None
-    while bad is None:
-        if limit is not None and good >= limit:
-            return good
-        trial = good * 2 if limit is None else min(good * 2, limit)
-        if fits(trial):
-            good = trial
-        else:
-            bad = trial
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good
+    return best
 
 
 def memory_stats(device: DeviceLike) -> dict:
