@@ -1,0 +1,317 @@
+"""The shader tier (torch.mps.compile_shader).
+
+Without an Apple GPU, the compiled library that compile_shader returns cannot exist, so launches
+are checked against a stand-in that binds arguments by torch's rules (as read in
+torch/csrc/mps/Module.cpp: tensors as buffers, ints as int64 and floats as float32 unless
+`arg_casts` names a narrower type) and records the bytes each [[buffer(i)]] would receive. The
+`mps` tests run the real thing on a Mac.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+
+from bnb_mps import kernel_source
+from bnb_mps.executors import shader
+from bnb_mps.executors.base import ExecutorUnavailable
+from bnb_mps.kernel_args import Scalar, bool_, float16, float32, int32, int64, uint32, uint64
+
+requires_mps = pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an mps device")
+
+# torch's casts: the C++ type a Python value is static_cast to before setBytes.
+_INT_CAST_WIDTH = {None: 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1}
+_FLOAT_CAST_FORMAT = {None: "<f", "fp16": "<e"}
+
+
+class FakeKernel:
+    """One kernel of the stand-in library: records each call as the bytes Metal would receive."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name = name
+        self.calls = calls
+
+    def __call__(self, *args, threads=None, group_size=None, arg_casts=None):
+        casts = arg_casts or {}
+        bound = []
+        for i, arg in enumerate(args):
+            cast = casts.get(i)
+            if isinstance(arg, torch.Tensor):
+                bound.append(arg)
+            elif isinstance(arg, float):
+                bound.append(struct.pack(_FLOAT_CAST_FORMAT[cast], arg))
+            elif isinstance(arg, int):  # bool included, as pybind11's int_ check does
+                # static_cast<intN_t>(int64_t): keeps the low N bytes (two's complement)
+                bound.append(int(arg).to_bytes(8, "little", signed=True)[: _INT_CAST_WIDTH[cast]])
+            else:
+                raise RuntimeError("Unsupported argument type")
+        self.calls.append(
+            {"kernel": self.name, "bound": bound, "threads": threads, "group_size": group_size, "arg_casts": arg_casts}
+        )
+
+
+class FakeLibrary:
+    """Stands in for torch.mps.compile_shader's result: dir() lists kernels, attributes are kernels."""
+
+    def __init__(self, names=("k",)) -> None:
+        self._names = list(names)
+        self.calls: list = []
+        self.lookups = 0
+
+    def __dir__(self):
+        return list(self._names)
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name not in self._names:
+            raise RuntimeError(f"Failed to create function state object for: {name}")
+        self.lookups += 1
+        return FakeKernel(name, self.calls)
+
+
+class CpuShaderExecutor(shader.ShaderExecutor):
+    device_type = "cpu"  # lets CPU tensors stand in for mps ones in the stand-in library
+
+
+EDGE_SCALARS = [
+    uint32(0),
+    uint32(2**32 - 1),
+    uint32(2**31),
+    int32(-1),
+    int32(-(2**31)),
+    int32(2**31 - 1),
+    uint64(2**64 - 1),
+    int64(-(2**63)),
+    int64(123456789012345),
+    float32(-0.0),
+    float32(1e-45),
+    float32(3.4028234663852886e38),
+    float32(math.inf),
+    float32(0.1),
+    float16(65504.0),
+    float16(-0.0),
+    float16(6e-8),
+    float16(0.1),
+    bool_(True),
+    bool_(False),
+    Scalar(255, "uchar"),
+    Scalar(-128, "char"),
+    Scalar(65535, "ushort"),
+    Scalar(-32768, "short"),
+]
+
+
+@pytest.mark.parametrize("scalar", EDGE_SCALARS, ids=lambda s: f"{s.type}={s.value!r}")
+def test_scalars_bind_exactly_their_bytes(scalar):
+    lib = FakeLibrary()
+    CpuShaderExecutor(lib).launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[scalar])
+    (call,) = lib.calls
+    assert call["bound"] == [scalar.to_bytes()]
+    assert len(call["bound"][0]) == scalar.nbytes
+
+
+def test_nan_payload_of_a_half_survives():
+    nan_bits = b"\x01\x7e"  # a quiet NaN with a payload
+    scalar = Scalar(struct.unpack("<e", nan_bits)[0], "half")
+    lib = FakeLibrary()
+    CpuShaderExecutor(lib).launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[scalar])
+    assert lib.calls[0]["bound"] == [scalar.to_bytes()]
+
+
+def test_mixed_arguments_keep_order_casts_and_geometry():
+    x = torch.arange(10, dtype=torch.float32)
+    y = torch.zeros(6, dtype=torch.uint8)[2:]
+    lib = FakeLibrary(["gemv", "other"])
+    ex = CpuShaderExecutor(lib)
+    ex.launch("gemv", grid=(3, 2, 5), threadgroup=(32, 2, 1), args=[x, uint32(7), y, float32(0.5), int64(-3)])
+    (call,) = lib.calls
+    assert call["kernel"] == "gemv"
+    assert call["bound"][0] is x and call["bound"][2] is y
+    assert call["bound"][1] == struct.pack("<I", 7)
+    assert call["bound"][3] == struct.pack("<f", 0.5)
+    assert call["bound"][4] == struct.pack("<q", -3)
+    # 4-byte scalars (the uint and the float's bits) need the int32 cast; the int64 binds as is
+    assert call["arg_casts"] == {1: "int32", 3: "int32"}
+    assert call["threads"] == [3 * 32, 2 * 2, 5 * 1]
+    assert call["group_size"] == [32, 2, 1]
+
+
+def test_float32_binds_through_its_bits():
+    # A float32 Scalar travels as the int32 with its bits: exact for every value, -0.0 included.
+    lib = FakeLibrary()
+    CpuShaderExecutor(lib).launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[float32(-0.0)])
+    assert lib.calls[0]["arg_casts"] == {0: "int32"}
+    assert lib.calls[0]["bound"] == [b"\x00\x00\x00\x80"]
+
+
+def test_no_casts_when_no_narrow_scalars():
+    lib = FakeLibrary()
+    CpuShaderExecutor(lib).launch("k", grid=(1, 1, 1), threadgroup=(8, 1, 1), args=[torch.zeros(8), uint64(5)])
+    assert lib.calls[0]["arg_casts"] is None
+
+
+def test_kernel_function_is_looked_up_once():
+    lib = FakeLibrary()
+    ex = CpuShaderExecutor(lib)
+    for _ in range(3):
+        ex.launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+    assert len(lib.calls) == 3 and lib.lookups == 1
+
+
+def test_unknown_kernel_is_a_value_error_naming_it():
+    lib = FakeLibrary(["k"])
+    with pytest.raises(ValueError, match="'nope'"):
+        CpuShaderExecutor(lib).launch("nope", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+    assert lib.calls == []
+
+
+def test_tensor_on_the_wrong_device_is_refused_before_binding():
+    lib = FakeLibrary()
+    with pytest.raises(ValueError, match="argument 1 .* on cpu; expected a tensor on mps"):
+        shader.ShaderExecutor(lib).launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[uint32(1), torch.zeros(2)])
+    assert lib.calls == []
+
+
+@pytest.mark.parametrize("bad", [3, 2.5, b"\x00\x00\x00\x00", None])
+def test_untyped_arguments_are_refused(bad):
+    lib = FakeLibrary()
+    with pytest.raises(TypeError, match="argument 0 .*Scalar"):
+        CpuShaderExecutor(lib).launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[bad])
+    assert lib.calls == []
+
+
+def test_empty_grid_launches_nothing():
+    lib = FakeLibrary()
+    CpuShaderExecutor(lib).launch("k", grid=(0, 4, 1), threadgroup=(32, 1, 1), args=[torch.zeros(1)])
+    assert lib.calls == []
+
+
+@pytest.mark.parametrize(
+    "grid, threadgroup, error",
+    [((1, 1), (1, 1, 1), ValueError), ((1, 1, 1), (0, 1, 1), ValueError), ((1, 1, 1), (64, 32, 1), ValueError),
+     ((1.0, 1, 1), (1, 1, 1), TypeError), ((-1, 1, 1), (1, 1, 1), ValueError)],
+)
+def test_bad_geometry_is_refused(grid, threadgroup, error):
+    lib = FakeLibrary()
+    with pytest.raises(error):
+        CpuShaderExecutor(lib).launch("k", grid=grid, threadgroup=threadgroup, args=[])
+    assert lib.calls == []
+
+
+# --- load() --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="MPS is available here")
+def test_load_says_why_it_is_unavailable_here():
+    with pytest.raises(ExecutorUnavailable) as info:
+        shader.load()
+    message = str(info.value)
+    assert "MPS is not available" in message or "torch >= 2.7" in message
+
+
+def test_load_names_the_torch_version_it_needs(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.6.0")
+    with pytest.raises(ExecutorUnavailable, match=r"torch 2\.6\.0 .*torch >= 2\.7"):
+        shader.load()
+
+
+def _pretend_mps(monkeypatch, compile_shader):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "compile_shader", compile_shader)
+
+
+def test_load_compiles_the_kernel_source_once(monkeypatch):
+    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k() {}\n")
+    seen = []
+
+    def compile_shader(source):
+        seen.append(source)
+        return FakeLibrary(["k"])
+
+    _pretend_mps(monkeypatch, compile_shader)
+    ex = shader.load()
+    assert seen == ["kernel void k() {}\n"]
+    assert ex.name == "shader"
+
+
+def test_compile_error_becomes_unavailable_with_the_message(monkeypatch):
+    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k( {}\n")
+    log = "program_source:1:15: error: expected parameter declarator\n" + "note: more\n" * 40
+
+    def compile_shader(source):
+        raise SyntaxError(log)
+
+    _pretend_mps(monkeypatch, compile_shader)
+    with pytest.raises(ExecutorUnavailable) as info:
+        shader.load()
+    message = str(info.value)
+    assert "expected parameter declarator" in message
+    assert "more lines" in message and message.count("note: more") < 40
+
+
+def test_missing_kernel_sources_become_unavailable(monkeypatch):
+    def no_sources():
+        raise FileNotFoundError("bnb_mps kernel sources not found")
+
+    monkeypatch.setattr(kernel_source, "source", no_sources)
+    _pretend_mps(monkeypatch, lambda source: pytest.fail("must not compile"))
+    with pytest.raises(ExecutorUnavailable, match="kernel sources not found"):
+        shader.load()
+
+
+# --- on a Mac ------------------------------------------------------------------------------------
+
+# Every thread writes its global linear index and the four scalars it received.
+GEOMETRY_KERNEL = r"""
+#include <metal_stdlib>
+using namespace metal;
+
+kernel void bnb_test_geometry(device uint* out [[buffer(0)]],
+                              constant uint& a [[buffer(1)]],
+                              constant half& h [[buffer(2)]],
+                              constant long& l [[buffer(3)]],
+                              constant uchar& c [[buffer(4)]],
+                              uint3 group [[threadgroup_position_in_grid]],
+                              uint3 groups [[threadgroups_per_grid]],
+                              uint3 lane [[thread_position_in_threadgroup]],
+                              uint3 size [[threads_per_threadgroup]]) {
+    uint3 pos = group * size + lane;
+    uint3 extent = groups * size;
+    uint i = (pos.z * extent.y + pos.y) * extent.x + pos.x;
+    out[5 * i + 0] = i;
+    out[5 * i + 1] = a;
+    out[5 * i + 2] = as_type<ushort>(h);
+    out[5 * i + 3] = uint(l + 4000000000L);
+    out[5 * i + 4] = c;
+}
+"""
+
+
+def expected_geometry_output(n_threads: int) -> torch.Tensor:
+    """Row i: i, the uint, the half's bits, (long)-1 + 4e9 as uint, the uchar."""
+    half_bits = struct.unpack("<H", struct.pack("<e", -1.5))[0]
+    rows = [[i, 4000000000, half_bits, 3999999999, 200] for i in range(n_threads)]
+    return torch.tensor(rows, dtype=torch.int64).flatten()
+
+
+@pytest.mark.mps
+@requires_mps
+def test_geometry_and_scalars_on_the_gpu():
+    if shader.torch_version() < shader.MIN_TORCH:
+        pytest.skip("needs torch >= 2.7")
+    ex = shader.ShaderExecutor(torch.mps.compile_shader(GEOMETRY_KERNEL))
+    grid, tg = (3, 2, 2), (4, 2, 1)
+    n = 3 * 2 * 2 * 4 * 2
+    storage = torch.full((7 + 5 * n,), -1, dtype=torch.int32, device="mps")  # the kernel writes uint
+    out = storage[7:]  # bound at a storage offset
+    ex.launch(
+        "bnb_test_geometry",
+        grid=grid,
+        threadgroup=tg,
+        args=[out, uint32(4000000000), float16(-1.5), int64(-1), Scalar(200, "uchar")],
+    )
+    got = storage.cpu().to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(got[:7], torch.full((7,), 0xFFFFFFFF, dtype=torch.int64))  # untouched before the offset
+    assert torch.equal(got[7:], expected_geometry_output(n))
