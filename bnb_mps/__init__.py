@@ -1,7 +1,77 @@
-"""bnb-mps: Metal kernels for bitsandbytes on Apple Silicon."""
+"""bnb-mps: Metal kernels for bitsandbytes on Apple Silicon.
+
+Installed next to bitsandbytes, bnb_mps registers (through bitsandbytes' `bitsandbytes.backends`
+entry point) a kernel for the `mps` device for every bitsandbytes op, so that unchanged
+bitsandbytes / transformers / peft code runs them on the GPU. See `python -m bnb_mps`.
+"""
+
+from __future__ import annotations
+
+import logging
 
 __version__ = "0.1.0"
+__all__ = ["register", "unregister", "backend_info", "__version__"]
+
+_logger = logging.getLogger("bnb_mps")
+
+
+def register() -> list[str]:
+    """Serve bitsandbytes' ops on `mps` with bnb_mps' kernels; returns the op names registered.
+
+    Called automatically when bitsandbytes is imported; calling it again is a no-op.
+    """
+    import torch
+
+    if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
+        import bitsandbytes  # noqa: F401  (defines the schemas, then calls our entry point)
+    from . import registration
+
+    return registration.register("MPS")
+
+
+def unregister() -> None:
+    """Remove bnb_mps' `mps` kernels; bitsandbytes' own (if any) serve again."""
+    from . import registration
+
+    registration.unregister("MPS")
+
+
+def backend_info() -> dict[str, dict[str, str]]:
+    """For each bitsandbytes op: which tier serves it on `mps` ("native", "shader", "emulated",
+    "cpu", or "bitsandbytes" where bnb_mps left it alone) and why."""
+    from . import executors, ops, registration
+
+    mine = set(registration.registered("MPS"))
+    info: dict[str, dict[str, str]] = {}
+    for name in registration.bitsandbytes_schemas():
+        if name in mine:
+            tier, reason = executors.describe(ops.OPS[name].kernel is not None)
+        elif name in ops.OPS:
+            tier = "bitsandbytes"
+            reason = registration.skipped().get(name, "bnb_mps is not registered (bnb_mps.register() was undone)")
+        else:
+            tier, reason = "bitsandbytes", "schema unknown to this bnb_mps version"
+        info[name] = {"tier": tier, "reason": reason}
+    return info
+
+
+_entry_failed = False
 
 
 def _entry_point() -> None:
-    """Target of the `bitsandbytes.backends` entry point (placeholder)."""
+    """Target of the `bitsandbytes.backends` entry point: register quietly, never raise."""
+    global _entry_failed
+    try:
+        from . import registration
+
+        registration.register("MPS")
+    except Exception as e:  # must never make `import bitsandbytes` fail
+        if not _entry_failed:
+            _entry_failed = True
+            _logger.warning("bnb_mps: registration failed, bitsandbytes' own kernels stay in place: %r", e)
+        try:
+            from . import registration
+
+            registration.unregister("MPS")
+        except Exception:
+            pass

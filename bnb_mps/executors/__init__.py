@@ -1,0 +1,157 @@
+"""Which executor serves the ops, and the one-time message when it is a slow one.
+
+Tiers, fastest first: native (the built Objective-C++ library), shader (the same kernels through
+`torch.mps.compile_shader`), emulated (the Metal-on-CPU emulator; debugging and tests only, never
+picked by default), cpu (the op-level CPU-transfer fallback). `BNB_MPS_EXECUTOR` forces one.
+Tiers are loaded lazily, once per process, on the first op or `backend_info()` call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import Executor, ExecutorUnavailable
+
+logger = logging.getLogger("bnb_mps")
+
+TIERS = ("native", "shader", "emulated", "cpu")
+GPU_TIERS = ("native", "shader")
+ENV_VAR = "BNB_MPS_EXECUTOR"
+
+BUILD_HINT = (
+    "xcode-select --install  # once, for the Metal toolchain\n"
+    "    pip install --no-build-isolation -e /path/to/bnb-mps  # from a bnb-mps checkout, with torch installed"
+)
+
+
+class SlowTierWarning(UserWarning):
+    """bitsandbytes ops on mps are served by a tier slower than the native Metal library."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    tier: str
+    executor: Optional[Executor]
+    reason: str
+
+
+_lock = threading.Lock()
+_selection: Optional[Selection] = None
+_load_errors: dict[str, str] = {}
+_warned = False
+
+
+def load_tier(name: str) -> Executor:
+    """Load one executor tier (raises ExecutorUnavailable with the reason)."""
+    if name not in TIERS or name == "cpu":
+        raise ValueError(f"no executor tier named {name!r}; tiers with executors: native, shader, emulated")
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+    except ImportError as e:
+        raise ExecutorUnavailable(f"{name} executor is not part of this installation ({e})") from None
+    return module.load()
+
+
+def _try(name: str) -> Optional[Executor]:
+    try:
+        return load_tier(name)
+    except ExecutorUnavailable as e:
+        _load_errors[name] = str(e)
+    except Exception as e:  # a broken tier must never break the user's program
+        _load_errors[name] = f"{type(e).__name__}: {e}"
+        logger.warning("bnb_mps: the %s executor failed to load: %s", name, _load_errors[name])
+    return None
+
+
+def _select() -> Selection:
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    prefix = ""
+    if forced:
+        if forced not in TIERS:
+            logger.warning("bnb_mps: ignoring %s=%r; expected one of %s", ENV_VAR, forced, ", ".join(TIERS))
+            prefix = f"{ENV_VAR}={forced!r} is not a tier; "
+        elif forced == "cpu":
+            return Selection("cpu", None, f"forced by {ENV_VAR}=cpu")
+        else:
+            executor = _try(forced)
+            if executor is not None:
+                return Selection(forced, executor, f"forced by {ENV_VAR}={forced}")
+            logger.warning("bnb_mps: %s=%s cannot be used: %s", ENV_VAR, forced, _load_errors[forced])
+            prefix = f"{ENV_VAR}={forced} unavailable ({_load_errors[forced]}); "
+    for name in GPU_TIERS:
+        executor = _try(name)
+        if executor is not None:
+            return Selection(name, executor, prefix + ("native Metal library loaded" if name == "native" else
+                             f"native library unavailable ({_load_errors.get('native', '?')})"))  # fmt: skip
+    why = "; ".join(f"{n}: {_load_errors[n]}" for n in GPU_TIERS if n in _load_errors)
+    return Selection("cpu", None, prefix + (why or "no GPU executor available"))
+
+
+def selection() -> Selection:
+    """The process-wide tier choice (computed on first use)."""
+    global _selection
+    if _selection is None:
+        with _lock:
+            if _selection is None:
+                _selection = _select()
+    return _selection
+
+
+def reset() -> None:
+    """Forget the tier choice (tests; after changing BNB_MPS_EXECUTOR)."""
+    global _selection, _warned
+    with _lock:
+        _selection = None
+        _load_errors.clear()
+        _warned = False
+
+
+def load_errors() -> dict[str, str]:
+    selection()
+    return dict(_load_errors)
+
+
+def executor_for(has_kernel: bool, device_type: str) -> Optional[Executor]:
+    """The executor that runs an op's kernel on tensors of `device_type`, or None for the CPU fallback."""
+    sel = selection()
+    if not has_kernel or sel.executor is None:
+        return None
+    if sel.tier in GPU_TIERS and device_type != "mps":
+        return None
+    return sel.executor
+
+
+def describe(has_kernel: bool) -> tuple[str, str]:
+    """(tier, reason) for an op on mps tensors."""
+    sel = selection()
+    if sel.executor is not None and not has_kernel:
+        return "cpu", "no Metal kernel for this op yet: bitsandbytes' CPU implementation with transfers"
+    if sel.executor is None:
+        return "cpu", sel.reason if has_kernel else "no Metal kernel for this op yet; " + sel.reason
+    return sel.tier, sel.reason
+
+
+def notify_slow_tier(op_name: str, tier: str, reason: str) -> None:
+    """Say once per process that mps ops run on a slower tier, why, and how to get the fast one."""
+    global _warned
+    if _warned or tier == "native":
+        return
+    _warned = True
+    what = {
+        "cpu": "copied to the CPU and back (slow)",
+        "shader": "the same Metal kernels compiled at run time by torch.mps.compile_shader (fast, minus the native launch path)",
+        "emulated": "the Metal-on-CPU emulator (very slow; for debugging)",
+    }.get(tier, tier)
+    warnings.warn(
+        f"bnb_mps: bitsandbytes ops on mps (first: {op_name}) are served by the {tier} tier: {what}. "
+        f"Why: {reason}. To get the native Metal kernels:\n    {BUILD_HINT}\n"
+        f"Run `python -m bnb_mps` to see which tier serves each op.",
+        SlowTierWarning,
+        stacklevel=3,
+    )

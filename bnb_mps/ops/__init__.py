@@ -1,0 +1,53 @@
+"""The op layer: validate, pick the tier, run.
+
+Device-agnostic Python that knows bitsandbytes (schemas, shapes, dtypes) and nothing of Metal.
+Importing this package fills `OPS` with every schema bnb_mps serves.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import executors
+from ..executors import cpu as cpu_fallback
+from . import blockwise, fourbit, int8, optim  # noqa: F401  (each declares its ops)
+from .registry import OPS, OpDef, bind, op_packet
+
+__all__ = ["OPS", "OpDef", "call", "dispatcher_entry", "op_packet"]
+
+
+def _device_type(args: list) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return "cpu"
+
+
+def call(op: OpDef, schema, args: tuple, kwargs: dict, executor: Optional[executors.Executor] = None):
+    """Serve one call of `op`. With `executor` given, its kernel runs there (no fallback)."""
+    bound = bind(schema, args, kwargs)
+    op.check(*bound)
+    if executor is not None:
+        return op.kernel(executor, *bound)
+    device_type = _device_type(bound)
+    executor = executors.executor_for(op.kernel is not None, device_type)
+    if executor is not None:
+        if device_type == "mps" and executor.name != "native":
+            executors.notify_slow_tier(op.name, *executors.describe(True))
+        return op.kernel(executor, *bound)
+    if device_type == "mps":
+        executors.notify_slow_tier(op.name, *executors.describe(op.kernel is not None))
+    return cpu_fallback.run(op.name, bound)
+
+
+def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None):
+    """The function the dispatcher's kernel for schema `name` forwards to: `f(args, kwargs)`."""
+    op = OPS[name]
+    schema = op_packet(name)._schema
+
+    def entry(args: tuple, kwargs: dict):
+        return call(op, schema, args, kwargs, executor)
+
+    return entry

@@ -1,0 +1,70 @@
+"""The CPU-transfer fallback: the last resort, always correct, slow.
+
+Works per op, not per kernel: copy the op's tensor arguments to the CPU, run bitsandbytes' own
+CPU implementation of the same schema, copy the results back to the caller's device, and write
+in-place updates (optimizer states, `out=` tensors) back into the caller's tensors. Where
+bitsandbytes has no CPU implementation of a schema, the result is composed from ops it does have:
+an `.out` overload runs its functional form then copies into `out`; other schemas use the
+composition the op layer registers (`OpDef.composite`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..ops.registry import OPS, op_packet
+
+_CPU = torch.device("cpu")
+
+
+@functools.cache
+def _written_args(name: str) -> tuple[int, ...]:
+    """Positions of the arguments the schema marks as mutated (Tensor(a!))."""
+    args = op_packet(name)._schema.arguments
+    return tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _has_cpu_kernel(name: str) -> bool:
+    return torch._C._dispatch_has_computed_kernel_for_dispatch_key(f"bitsandbytes::{name}", "CPU")
+
+
+def _to(x, device: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(v, device) for v in x)
+    return x
+
+
+def _device_of(args) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return _CPU
+
+
+def cpu_call(name: str, args: list):
+    """Run schema `name` on CPU arguments with bitsandbytes' CPU implementation (or a composition)."""
+    if _has_cpu_kernel(name):
+        return op_packet(name)(*args)
+    if name.endswith(".out"):
+        *inputs, out = args
+        out.copy_(op_packet(name.removesuffix(".out"))(*inputs))
+        return None
+    composite = OPS[name].composite
+    if composite is None:
+        raise NotImplementedError(f"bitsandbytes has no CPU implementation of {name} and bnb_mps no composition")
+    return composite(*args)
+
+
+def run(name: str, args: list):
+    """Serve op `name` (arguments bound in schema order) through the CPU."""
+    device = _device_of(args)
+    cpu_args = [_to(a, _CPU) for a in args]
+    result = cpu_call(name, cpu_args)
+    for i in _written_args(name):
+        if args[i] is not None and cpu_args[i] is not args[i]:
+            args[i].copy_(cpu_args[i])
+    return _to(result, device)

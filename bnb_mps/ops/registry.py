@@ -1,0 +1,103 @@
+"""The table of bitsandbytes ops that bnb_mps serves.
+
+Each op is known by its schema name ("quantize_4bit", "dequantize_4bit.out", ...) and has
+- a `check` function whose signature mirrors the bitsandbytes schema and which raises
+  ValueError/TypeError for bad input before anything is copied or launched;
+- optionally a `kernel` function, `kernel(executor, *args)`, that allocates outputs and launches
+  Metal kernels through an executor (native, shader or emulated tier).
+Ops without a kernel are served by the CPU-transfer fallback. Registration with the dispatcher
+(`bnb_mps.registration`) only ever sees this table, so adding a kernel never touches it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+NAMESPACE = "bitsandbytes"
+
+
+@dataclass
+class OpDef:
+    name: str
+    check: Callable[..., None]
+    kernel: Optional[Callable[..., Any]] = None
+    #: for the CPU-transfer fallback where bitsandbytes has no CPU implementation of this schema
+    composite: Optional[Callable[..., Any]] = None
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(inspect.signature(self.check).parameters)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def checks(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Declare an op served by bnb_mps, with its argument checks."""
+
+    def deco(fn: Callable[..., None]) -> Callable[..., None]:
+        if name in OPS:
+            raise RuntimeError(f"op {name!r} declared twice")
+        OPS[name] = OpDef(name, fn)
+        return fn
+
+    return deco
+
+
+def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Attach the GPU implementation of an op: `fn(executor, *args)` with the schema's arguments."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        op = OPS.get(name)
+        if op is None:
+            raise RuntimeError(f"kernel for unknown op {name!r}; declare its checks first")
+        if op.kernel is not None:
+            raise RuntimeError(f"op {name!r} has two kernel implementations")
+        op.kernel = fn
+        return fn
+
+    return deco
+
+
+def composite(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Attach a CPU composition of an op from ops bitsandbytes does implement on CPU."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        OPS[name].composite = fn
+        return fn
+
+    return deco
+
+
+def op_packet(name: str):
+    """torch.ops.bitsandbytes.<base>.<overload> for a schema name."""
+    import torch
+
+    base, _, overload = name.partition(".")
+    return getattr(getattr(getattr(torch.ops, NAMESPACE), base), overload or "default")
+
+
+def bind(schema, args: tuple, kwargs: dict) -> list:
+    """All of a call's arguments in schema order, defaults filled in.
+
+    The dispatcher hands Python kernels trailing arguments that equal their defaults as missing,
+    and callers may pass any argument by keyword.
+    """
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args):
+            out.append(args[i])
+        elif arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        elif arg.has_default_value():
+            out.append(arg.default_value)
+        else:
+            raise TypeError(f"{schema.name}: missing argument {arg.name!r}")
+    return out

@@ -1,0 +1,141 @@
+"""The one place where bnb_mps meets PyTorch's dispatcher.
+
+bnb_mps registers, through its own `torch.library.Library` fragment, a kernel for every
+bitsandbytes op schema it knows, so that `unregister()` restores exactly the kernels
+bitsandbytes had before. This module is imported by bitsandbytes' entry point on every
+`import bitsandbytes`, so it is kept tiny: the op layer is imported on the first op call.
+
+A schema bnb_mps does not know is left to bitsandbytes; so is a known one whose arguments differ
+from what bnb_mps expects. Both are reported by `skipped()` / `unknown_schemas()` and
+`python -m bnb_mps`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+NAMESPACE = "bitsandbytes"
+
+# Every schema bnb_mps serves, with its argument names as bitsandbytes 0.50 defines them.
+SCHEMAS: dict[str, tuple[str, ...]] = {
+    "quantize_blockwise": ("A", "code", "blocksize"),
+    "dequantize_blockwise": ("A", "absmax", "code", "blocksize", "dtype"),
+    "dequantize_blockwise.out": ("A", "absmax", "code", "blocksize", "dtype", "out"),
+    "quantize_4bit": ("A", "blocksize", "quant_type", "quant_storage"),
+    "dequantize_4bit": ("A", "absmax", "blocksize", "quant_type", "shape", "dtype"),
+    "dequantize_4bit.out": ("A", "absmax", "blocksize", "quant_type", "shape", "dtype", "out"),
+    "gemv_4bit": ("A", "B", "shapeB", "absmax", "code", "blocksize"),
+    "gemv_4bit.out": ("A", "B", "shapeB", "absmax", "code", "blocksize", "out"),
+    "gemm_4bit": ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
+                  "absmax_offset"),
+    "int8_vectorwise_quant": ("A", "threshold"),
+    "int8_vectorwise_dequant": ("A", "stats"),
+    "int8_linear_matmul": ("A", "B"),
+    "int8_linear_matmul.out": ("A", "B", "out"),
+    "int8_mm_dequant": ("A", "row_stats", "col_stats", "dtype", "bias"),
+    "int8_scaled_mm": ("A", "B", "row_stats", "col_stats", "bias", "dtype"),
+    "int8_mixed_scaled_mm": ("A", "CA", "CB", "SCA", "SCB", "outlier_cols", "bias"),
+    "int8_double_quant": ("A", "threshold"),
+    "optimizer_update_8bit_blockwise": ("optimizer_name", "g", "p", "state1", "state2", "beta1", "beta2", "beta3",
+                                        "alpha", "eps", "step", "lr", "qmap1", "qmap2", "absmax1", "absmax2",
+                                        "weight_decay", "gnorm_scale", "skip_zeros"),
+    "optimizer_update_32bit": ("optimizer_name", "g", "p", "state1", "state2", "unorm_vec", "max_unorm",
+                               "param_norm", "beta1", "beta2", "beta3", "alpha", "eps", "weight_decay", "step",
+                               "lr", "gnorm_scale", "skip_zeros"),
+}  # fmt: skip
+
+_lock = threading.Lock()
+_libraries: dict[str, torch.library.Library] = {}
+_names: dict[str, list[str]] = {}
+_skipped: dict[str, str] = {}
+
+
+def _schema(name: str):
+    base, _, overload = name.partition(".")
+    try:
+        return torch._C._get_schema(f"{NAMESPACE}::{base}", overload)
+    except RuntimeError:
+        return None
+
+
+def _make_kernel(name: str, executor):
+    call = None
+
+    def kernel(*args, **kwargs):
+        nonlocal call
+        if call is None:
+            from .ops import dispatcher_entry  # the op layer, imported on first use
+
+            call = dispatcher_entry(name, executor)
+        return call(args, kwargs)
+
+    kernel.__name__ = kernel.__qualname__ = "bnb_mps_" + name.replace(".", "_")
+    return kernel
+
+
+def register(dispatch_key: str = "MPS", executor=None, names=None) -> list[str]:
+    """Register bnb_mps' kernels for `dispatch_key`; returns the schema names registered.
+
+    With `executor`, every call runs its kernel on that executor, and only `names` are registered
+    (used to put the emulated tier under the `CPU` key in tests). A key registered already is a no-op.
+    """
+    with _lock:
+        if dispatch_key in _libraries:
+            return list(_names[dispatch_key])
+        lib = torch.library.Library(NAMESPACE, "IMPL")
+        done: list[str] = []
+        try:
+            with warnings.catch_warnings():
+                # Replacing bitsandbytes' own MPS kernels is the point; PyTorch warns about overrides.
+                warnings.simplefilter("ignore")
+                for name, params in SCHEMAS.items():
+                    if names is not None and name not in names:
+                        continue
+                    schema = _schema(name)
+                    if schema is None:
+                        _skipped[name] = "bitsandbytes does not define this schema"
+                        continue
+                    got = tuple(a.name for a in schema.arguments)
+                    if got != params:
+                        _skipped[name] = f"schema arguments changed: bnb_mps expects {params}, bitsandbytes has {got}"
+                        continue
+                    lib.impl(name, _make_kernel(name, executor), dispatch_key)
+                    done.append(name)
+        except BaseException:
+            lib._destroy()
+            raise
+        _libraries[dispatch_key] = lib
+        _names[dispatch_key] = done
+        return list(done)
+
+
+def unregister(dispatch_key: str = "MPS") -> None:
+    """Remove bnb_mps' kernels for `dispatch_key`; bitsandbytes' own (if any) serve again."""
+    with _lock:
+        lib = _libraries.pop(dispatch_key, None)
+        _names.pop(dispatch_key, None)
+        if lib is not None:
+            lib._destroy()
+
+
+def registered(dispatch_key: str = "MPS") -> list[str]:
+    return list(_names.get(dispatch_key, ()))
+
+
+def skipped() -> dict[str, str]:
+    """Known ops left to bitsandbytes, with the reason."""
+    return dict(_skipped)
+
+
+def bitsandbytes_schemas() -> list[str]:
+    """Every op schema defined in the bitsandbytes namespace ("quantize_4bit", "gemv_4bit.out", ...)."""
+    prefix = f"{NAMESPACE}::"
+    return sorted(n[len(prefix) :] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+
+
+def unknown_schemas() -> list[str]:
+    """bitsandbytes schemas this bnb_mps version does not know (left to bitsandbytes)."""
+    return [n for n in bitsandbytes_schemas() if n not in SCHEMAS]

@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # shared test helpers (op_inputs, references)
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _mps_available():
+        return
+    skip = pytest.mark.skip(reason="needs Apple Silicon with a working mps device")
+    for item in items:
+        if "mps" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_tier_selection(monkeypatch):
+    """Let a test choose BNB_MPS_EXECUTOR; the tier choice is recomputed before and after."""
+    from bnb_mps import executors
+
+    monkeypatch.delenv("BNB_MPS_EXECUTOR", raising=False)
+    executors.reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    executors.reset()
