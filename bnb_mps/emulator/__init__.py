@@ -1,0 +1,32 @@
+"""The Metal-on-CPU emulator: runs the project's `.metal` kernels on the CPU, in CI.
+
+    lib = bnb_mps.emulator.load(msl_text_or_path)
+    lib.launch("my_kernel", grid=(4,), threadgroup=(64,), args=[x, y, uint32(n)],
+               order="random", race_check=True, poison=0x00)
+
+Kernel text is compiled as C++ against shim Metal headers (csrc/emu/include) and run with one
+fiber per simulated thread; see /EMULATOR.md of the design notes and `Library.launch`.
+"""
+
+from .build import find_compiler
+from .errors import (
+    BarrierDivergence,
+    CompileError,
+    DivergentCollective,
+    EmulatorError,
+    KernelError,
+    LimitExceeded,
+    MemoryFault,
+    OutOfBounds,
+    RaceDetected,
+    StackOverflow,
+    UnboundBuffer,
+)
+from .library import Library, load
+from .prepass import PrepassError, translate
+
+__all__ = [
+    "BarrierDivergence", "CompileError", "DivergentCollective", "EmulatorError", "KernelError", "LimitExceeded",
+    "Library", "MemoryFault", "OutOfBounds", "PrepassError", "RaceDetected", "StackOverflow", "UnboundBuffer",
+    "find_compiler", "load", "translate",
+]

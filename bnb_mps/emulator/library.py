@@ -1,0 +1,209 @@
+"""A compiled kernel library and its launches.
+
+Arguments bind to `[[buffer(0)]]`, `[[buffer(1)]]`, ... in order:
+- a torch CPU tensor binds at its `data_ptr()` (so a view binds at its storage offset). The bound
+  region runs from there to the last byte the view can reach: `numel * itemsize` bytes when
+  contiguous; for a non-contiguous view the strided storage span, as Metal would see the buffer
+  (the kernel indexes it with its own strides). For the dispatch the region is copied into memory
+  that ends against a protected page (an access past its end is reported as OutOfBounds) and
+  copied back afterwards; arguments whose regions overlap share one copy.
+- a `bnb_mps.kernel_args.Scalar` binds its bytes (for `constant T&`); so does a one-element tensor.
+- `bytes` bind as a read-only buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Union
+
+from ..kernel_args import Scalar
+from . import build, errors, prepass
+
+_ORDERS = {"forward": 0, "reverse": 1, "random": 2}
+Dims = Union[int, Sequence[int]]
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime():
+    try:
+        from .. import _emu
+    except ImportError as e:
+        raise errors.KernelError(
+            f"the emulator runtime (bnb_mps._emu) is not built: run `pip install --no-build-isolation -e .` ({e})"
+        ) from None
+    if _emu.ABI_VERSION != build.ABI_VERSION:
+        raise errors.KernelError(f"bnb_mps._emu has ABI {_emu.ABI_VERSION}, the Python side expects {build.ABI_VERSION}")
+    return _emu
+
+
+def _dim3(value: Dims | None, what: str, *, minimum: int) -> tuple[int, int, int]:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    if isinstance(value, int):
+        value = (value,)
+    try:
+        dims = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}") from None
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    if any(d < minimum for d in dims):
+        raise ValueError(f"{what} components must be >= {minimum}, got {dims}")
+    return tuple(dims) + (1,) * (3 - len(dims))  # type: ignore[return-value]
+
+
+def _marshal(args: Sequence[object]) -> list:
+    import torch
+
+    out: list = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "cpu":
+                raise TypeError(f"args[{i}]: the emulator binds CPU tensors only, got a tensor on {a.device}")
+            item = a.element_size()
+            if a.numel() == 0:
+                span = 0
+            elif a.is_contiguous():
+                span = a.numel() * item
+            else:
+                if any(s < 0 for s in a.stride()):
+                    raise ValueError(f"args[{i}]: tensors with negative strides cannot be bound")
+                span = (sum((n - 1) * s for n, s in zip(a.shape, a.stride())) + 1) * item
+            out.append((a.data_ptr(), span, min(item, 16), True))
+        elif isinstance(a, Scalar):
+            out.append(a.to_bytes())
+        elif isinstance(a, (bytes, bytearray)):
+            out.append(bytes(a))
+        elif isinstance(a, (int, float, bool)):
+            raise TypeError(
+                f"args[{i}]: a bare Python {type(a).__name__} has no Metal type; wrap it, e.g. "
+                f"bnb_mps.kernel_args.uint32({a!r}) or float32({a!r})"
+            )
+        else:
+            raise TypeError(f"args[{i}]: expected a torch CPU tensor, a kernel_args.Scalar or bytes, got {type(a).__name__}")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _addr2line(path: str, offset: int) -> str | None:
+    tool = shutil.which("addr2line")
+    if not tool:
+        return None
+    try:
+        out = subprocess.run([tool, "-e", path, "-i", hex(offset)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln for ln in out.splitlines() if ln and not ln.startswith("??")]
+    # With inlining, the last line is the outermost frame (the kernel's own line).
+    for ln in reversed(lines):
+        loc = ln.split(" (discriminator")[0]
+        if ".metal:" in loc or not loc.endswith(":0"):
+            return loc.rsplit("/", 1)[-1]
+    return None
+
+
+class Library:
+    """Kernels compiled from one MSL source; `launch` runs them under the emulator."""
+
+    def __init__(self, source: str, *, name: str = "kernel.metal", compiler: str | None = None) -> None:
+        self.name = name
+        self._compiler = compiler
+        self._translation = prepass.translate(source, name)
+        self._modules: dict[bool, object] = {}
+        self._lock = threading.Lock()
+        self._module(False)  # compile now: errors surface at load time
+
+    def _module(self, race_check: bool):
+        with self._lock:
+            mod = self._modules.get(race_check)
+            if mod is None:
+                rt = _runtime()
+                so = build.build(self._translation.cpp, compiler=self._compiler, race_check=race_check, name=self.name)
+                mod = rt.Module(str(so))
+                self._modules[race_check] = mod
+            return mod
+
+    @property
+    def kernels(self) -> list[str]:
+        return list(self._module(False).kernels)
+
+    def __contains__(self, kernel: str) -> bool:
+        return kernel in self._module(False).kernels
+
+    def launch(
+        self,
+        kernel: str,
+        *,
+        grid: Dims | None = None,
+        threadgroup: Dims,
+        args: Sequence[object] = (),
+        threads: Dims | None = None,
+        order: str = "forward",
+        race_check: bool = False,
+        poison: int = 0xFF,
+        seed: int = 0,
+    ) -> None:
+        """Runs `kernel` over `grid` threadgroups of `threadgroup` threads (or over `threads`
+        threads in total, Metal's dispatchThreads, with smaller edge threadgroups), binding
+        `args` to [[buffer(0)]], [[buffer(1)]], ... Returns when the dispatch is done; outputs are
+        written back into the tensors. Faults raise an EmulatorError subclass."""
+        if not isinstance(kernel, str):
+            raise TypeError(f"kernel must be a kernel name (str), got {type(kernel).__name__}")
+        if (grid is None) == (threads is None):
+            raise ValueError("pass exactly one of grid= (threadgroups) or threads= (threads in total)")
+        tg = _dim3(threadgroup, "threadgroup", minimum=1)
+        if grid is not None:
+            groups = _dim3(grid, "grid", minimum=0)
+            total = tuple(g * t for g, t in zip(groups, tg))
+        else:
+            total = _dim3(threads, "threads", minimum=0)
+            groups = tuple(-(-n // t) for n, t in zip(total, tg))
+        if order not in _ORDERS:
+            raise ValueError(f"order must be one of {sorted(_ORDERS)}, got {order!r}")
+        if not isinstance(poison, int) or not 0 <= poison <= 255:
+            raise ValueError(f"poison must be a byte value 0..255, got {poison!r}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if any(n > 0xFFFFFFFF for n in total):
+            raise ValueError(f"grid too large: {total} threads")
+        buffers = _marshal(args)
+        mod = self._module(bool(race_check))
+        if kernel not in mod.kernels:
+            raise errors.KernelError(
+                f"kernel '{kernel}' is not in {self.name} (kernels: {', '.join(sorted(mod.kernels)) or 'none'})",
+                kernel=kernel,
+            )
+        if 0 in groups:
+            return
+        res = _runtime().launch(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order], seed,
+                                poison, bool(race_check))
+        if res is None:
+            return
+        kind, message, where, obj, offset = res
+        if not where and obj and Path(obj).resolve() == Path(mod.path).resolve():
+            loc = _addr2line(obj, offset)
+            if loc:
+                where = loc
+                message = message.replace(" [", f" at {loc} [", 1) if " [" in message else f"{message} at {loc}"
+        cls = errors.BY_KIND.get(kind, errors.EmulatorError)
+        raise cls(message, kernel=kernel, where=where)
+
+
+def load(source_or_path: Union[str, Path], *, compiler: str | None = None) -> Library:
+    """A Library from MSL text, or from a path to a `.metal` file (local includes are not
+    resolved here: amalgamate first, see bnb_mps.kernel_source)."""
+    if isinstance(source_or_path, Path) or (
+        isinstance(source_or_path, str) and "\n" not in source_or_path and source_or_path.endswith((".metal", ".h"))
+    ):
+        path = Path(source_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no such kernel source file: {path}")
+        return Library(path.read_text(encoding="utf-8"), name=path.name, compiler=compiler)
+    if not isinstance(source_or_path, str):
+        raise TypeError(f"source_or_path must be MSL text or a path, got {type(source_or_path).__name__}")
+    return Library(source_or_path, name="kernel.metal", compiler=compiler)

@@ -1,0 +1,97 @@
+/* The binary interface between the emulator runtime (the `bnb_mps._emu` extension) and a kernel
+ * module (a shared object built at run time from MSL text with the shim headers).
+ *
+ * A kernel module links against nothing: the runtime hands it this table of function pointers
+ * when it is loaded, and the module hands back its kernels. Plain C types only, so that the
+ * runtime and a module built by a different compiler agree on the layout.
+ */
+#ifndef BNB_EMU_ABI_H
+#define BNB_EMU_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define BNB_EMU_ABI_VERSION 3
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What one simulated thread knows about itself (the values of the kernel attributes). */
+typedef struct bnb_emu_lane {
+  uint32_t thread_position_in_grid[3];
+  uint32_t thread_position_in_threadgroup[3];
+  uint32_t threadgroup_position_in_grid[3];
+  uint32_t threads_per_threadgroup[3];          /* actual size (smaller in non-uniform edge groups) */
+  uint32_t dispatch_threads_per_threadgroup[3]; /* the size the dispatch asked for */
+  uint32_t threadgroups_per_grid[3];
+  uint32_t threads_per_grid[3];
+  uint32_t thread_index_in_threadgroup;
+  uint32_t thread_index_in_simdgroup;
+  uint32_t simdgroup_index_in_threadgroup;
+  uint32_t threads_per_simdgroup;     /* always 32, as on Apple GPUs */
+  uint32_t simdgroups_per_threadgroup;
+  uint32_t lanes_in_simdgroup;        /* threads that exist in this lane's simdgroup (<= 32) */
+} bnb_emu_lane;
+
+/* Computes a SIMD-group collective once every active lane has arrived. operands[i] and
+ * results[i] point into lane i's own stack (NULL for inactive lanes); active has bit i set for
+ * each lane that takes part. Resolvers are compiled into the kernel module (they know T). */
+typedef void (*bnb_emu_resolver)(void* const* operands, void* const* results, uint32_t active);
+
+/* Fault kinds, shared with the Python side (bnb_mps/emulator/errors.py). */
+enum {
+  BNB_EMU_OK = 0,
+  BNB_EMU_OUT_OF_BOUNDS = 1,
+  BNB_EMU_RACE = 2,
+  BNB_EMU_BARRIER_DIVERGENCE = 3,
+  BNB_EMU_DIVERGENT_COLLECTIVE = 4,
+  BNB_EMU_LIMIT_EXCEEDED = 5,
+  BNB_EMU_UNBOUND_BUFFER = 6,
+  BNB_EMU_MEMORY_FAULT = 7,
+  BNB_EMU_STACK_OVERFLOW = 8,
+  BNB_EMU_KERNEL_ERROR = 9
+};
+
+/* Race-checker access kinds (only called by modules built with BNB_EMU_RACE_CHECK). */
+enum { BNB_EMU_ACCESS_READ = 0, BNB_EMU_ACCESS_ATOMIC = 1 };
+
+typedef struct bnb_emu_runtime {
+  uint32_t abi_version;
+  /* The calling simulated thread. */
+  const bnb_emu_lane* (*lane)(void);
+  /* Address of [[buffer(index)]]; reports UnboundBuffer (never returns) if nothing is bound. */
+  void* (*buffer)(uint32_t index, const char* file, int line);
+  /* Threadgroup storage for one declaration site, shared by the threadgroup: the first lane to
+   * arrive allocates it and fills it with the poison byte. */
+  void* (*threadgroup_alloc)(const void* site, size_t size, size_t align, const char* name, const char* file,
+                             int line);
+  /* threadgroup_barrier: yields until every thread of the threadgroup has arrived. */
+  void (*barrier)(uint32_t flags, const char* file, int line);
+  /* A SIMD-group collective: yields until the simdgroup has no runnable lane, then `fn` runs. */
+  void (*simd_collective)(bnb_emu_resolver fn, const char* what, void* operand, void* result, const char* file,
+                          int line);
+  /* Race checker: the calling lane accesses [p, p+n). */
+  void (*threadgroup_access)(const void* p, size_t n, int kind, const char* file, int line);
+  /* Ends the calling simulated thread with a fault (never returns). */
+  void (*fail)(int kind, const char* message, const char* file, int line);
+} bnb_emu_runtime;
+
+typedef void (*bnb_emu_kernel_fn)(void);
+
+typedef struct bnb_emu_kernel_entry {
+  const char* name;
+  bnb_emu_kernel_fn fn;
+} bnb_emu_kernel_entry;
+
+typedef void (*bnb_emu_add_kernel)(void* ctx, const bnb_emu_kernel_entry* entry);
+
+/* Exported by every kernel module. Returns the ABI version the module was built with. */
+typedef uint32_t (*bnb_emu_module_init_fn)(const bnb_emu_runtime* rt, bnb_emu_add_kernel add, void* ctx);
+#define BNB_EMU_MODULE_INIT_SYMBOL "bnb_emu_module_init"
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,149 @@
+// How kernel text compiles unchanged: parameter attributes become default arguments that read
+// the current dispatch ([[buffer(i)]] the binding, [[thread_position_in_grid]] the lane's
+// position, ...), so that the runtime calls every kernel as `name()`. Threadgroup declarations
+// (rewritten by the pre-pass) become references to per-threadgroup storage. Kernels register
+// themselves by name.
+#pragma once
+
+#include "sync.h"
+
+namespace metal {
+namespace emu {
+
+// `x[[buffer(0)]]` expands to `x [[maybe_unused]] = buffer_binding{0, ...}[no_index[0]]`: the
+// attribute's two closing brackets close two subscripts.
+struct no_index_t {};
+struct no_index_maker {
+  constexpr no_index_t operator[](int) const { return {}; }
+};
+inline constexpr no_index_maker no_index{};
+
+// Converts to whatever the parameter is: `device T*` or `constant T&`.
+struct buffer_value {
+  void* p;
+  template <class T>
+  operator T*() const {
+    return static_cast<T*>(p);
+  }
+  template <class T, std::enable_if_t<!std::is_pointer<T>::value, int> = 0>
+  operator T&() const {
+    return *static_cast<T*>(p);
+  }
+};
+struct buffer_binding {
+  uint32_t index;
+  const char* file;
+  int line;
+  buffer_value operator[](no_index_t) const { return buffer_value{rt->buffer(index, file, line)}; }
+};
+
+// A position attribute: converts to uint/ushort and their 2- and 3-component vectors.
+struct position_value {
+  uint32_t v[3];
+  operator uint() const { return v[0]; }
+  operator ushort() const { return ushort(v[0]); }
+  operator vec<uint, 2>() const { return vec<uint, 2>(v[0], v[1]); }
+  operator vec<uint, 3>() const { return vec<uint, 3>(v[0], v[1], v[2]); }
+  operator vec<ushort, 2>() const { return vec<ushort, 2>(ushort(v[0]), ushort(v[1])); }
+  operator vec<ushort, 3>() const { return vec<ushort, 3>(ushort(v[0]), ushort(v[1]), ushort(v[2])); }
+};
+struct position_binding {
+  position_value value;
+  position_value operator[](no_index_t) const { return value; }
+};
+inline position_binding attribute(const uint32_t (&v)[3]) { return {{{v[0], v[1], v[2]}}}; }
+inline position_binding attribute(uint32_t v) { return {{{v, 0, 0}}}; }
+
+// --- threadgroup storage -----------------------------------------------------------------------
+
+#if BNB_EMU_RACE_CHECK
+// Race-checking build: threadgroup arrays are wrappers whose element access reports a read to
+// the race checker (writes are found by comparing threadgroup memory after every lane's turn).
+template <class E, size_t N>
+struct tg_array;
+template <class T>
+struct tg_wrap {
+  using type = T;
+};
+template <class T, size_t N>
+struct tg_wrap<T[N]> {
+  using type = tg_array<typename tg_wrap<T>::type, N>;
+};
+template <class T>
+struct is_tg_array : std::false_type {};
+template <class E, size_t N>
+struct is_tg_array<tg_array<E, N>> : std::true_type {};
+template <class E, size_t N>
+struct tg_array {
+  E data[N];
+  template <class I>
+  E& operator[](I i) {
+    if constexpr (!is_tg_array<E>::value) threadgroup_touch(&data[i], sizeof(E), BNB_EMU_ACCESS_READ);
+    return data[i];
+  }
+  template <class I>
+  const E& operator[](I i) const {
+    if constexpr (!is_tg_array<E>::value) threadgroup_touch(&data[i], sizeof(E), BNB_EMU_ACCESS_READ);
+    return data[i];
+  }
+  operator E*() { return data; }
+  operator const E*() const { return data; }
+  operator volatile E*() { return data; }
+};
+template <class T>
+using tg_type = typename tg_wrap<T>::type;
+#else
+template <class T>
+using tg_type = T;
+#endif
+
+template <class T>
+inline T& threadgroup_storage(const void* site, const char* name, const char* file, int line) {
+  return *static_cast<T*>(rt->threadgroup_alloc(site, sizeof(T), alignof(T), name, file, line));
+}
+
+// --- kernel registry (one per module) --------------------------------------------------------
+
+struct kernel_registration {
+  bnb_emu_kernel_entry entry;
+  kernel_registration* next;
+  static kernel_registration*& head() {
+    static kernel_registration* h = nullptr;
+    return h;
+  }
+  kernel_registration(const char* name, bnb_emu_kernel_fn fn) : entry{name, fn}, next(head()) { head() = this; }
+};
+
+}  // namespace emu
+}  // namespace metal
+
+#define BNB_EMU_CAT2(a, b) a##b
+#define BNB_EMU_CAT(a, b) BNB_EMU_CAT2(a, b)
+
+// Written by the pre-pass in place of `threadgroup T name dims;` inside a kernel.
+#define BNB_EMU_THREADGROUP(name, dims, ...)                                                        \
+  static char bnb_emu_tg_site_##name;                                                               \
+  ::metal::emu::tg_type<__VA_ARGS__ dims>& name =                                                   \
+      ::metal::emu::threadgroup_storage<::metal::emu::tg_type<__VA_ARGS__ dims>>(&bnb_emu_tg_site_##name, #name, \
+                                                                                 __FILE__, __LINE__)
+
+// Appended by the pre-pass for every non-template kernel.
+#define BNB_EMU_REGISTER_KERNEL(name)                                                               \
+  static ::metal::emu::kernel_registration BNB_EMU_CAT(bnb_emu_kernel_, __COUNTER__)(#name, [] { name(); });
+
+// Template kernels: the project's one registration macro. On Metal the kernel headers define it as
+//   #define BNB_KERNEL_INSTANTIATE(host, fn, ...) \
+//     template [[host_name(host)]] [[kernel]] decltype(fn<__VA_ARGS__>) fn<__VA_ARGS__>;
+// (inside #ifndef BNB_KERNEL_INSTANTIATE); here it registers fn<...> under the name `host`.
+#define BNB_KERNEL_INSTANTIATE(host, fn, ...)                                                       \
+  static ::metal::emu::kernel_registration BNB_EMU_CAT(bnb_emu_kernel_, __COUNTER__)(host, [] { fn<__VA_ARGS__>(); });
+// The same, written by the pre-pass for explicit instantiations spelled out in Metal syntax.
+#define BNB_EMU_REGISTER_INSTANCE(host, ...)                                                        \
+  static ::metal::emu::kernel_registration BNB_EMU_CAT(bnb_emu_kernel_, __COUNTER__)(host, [] { __VA_ARGS__(); });
+
+extern "C" __attribute__((visibility("default"))) uint32_t bnb_emu_module_init(const bnb_emu_runtime* r,
+                                                                                bnb_emu_add_kernel add, void* ctx) {
+  ::metal::emu::rt = r;
+  for (auto* k = ::metal::emu::kernel_registration::head(); k; k = k->next) add(ctx, &k->entry);
+  return BNB_EMU_ABI_VERSION;
+}

@@ -1,0 +1,445 @@
+// Everything that talks to the runtime: barriers, SIMD-group functions, simdgroup_matrix,
+// atomics. Each SIMD-group function is a yield point: the lane deposits its operand, the runtime
+// waits until no lane of the simdgroup can run, then a resolver (below, one per operation and
+// type) computes every active lane's result in lane order.
+#pragma once
+
+#include "abi.h"
+#include "math.h"
+
+namespace metal {
+namespace emu {
+
+// Set by bnb_emu_module_init when the runtime loads this module.
+inline const bnb_emu_runtime* rt = nullptr;
+
+inline const bnb_emu_lane& lane() { return *rt->lane(); }
+
+inline void threadgroup_touch(const volatile void* p, size_t n, int kind) {
+#if BNB_EMU_RACE_CHECK
+  rt->threadgroup_access(const_cast<const void*>(p), n, kind, nullptr, 0);
+#else
+  (void)p, (void)n, (void)kind;
+#endif
+}
+
+constexpr uint32_t kSimdWidth = 32;
+
+template <class Op, class Out, class In>
+inline Out collective(const char* what, const In& in, const char* file, int line) {
+  Out out{};
+  rt->simd_collective(&Op::resolve, what, const_cast<In*>(&in), &out, file, line);
+  return out;
+}
+
+#define BNB_EMU_FOR_ACTIVE(i) \
+  for (uint32_t i = 0; i < kSimdWidth; ++i) \
+    if (active & (1u << i))
+
+struct op_add {
+  template <class T>
+  static T apply(const T& a, const T& b) { return T(a + b); }
+  template <class T>
+  static T identity() { return T(0); }
+};
+struct op_mul {
+  template <class T>
+  static T apply(const T& a, const T& b) { return T(a * b); }
+  template <class T>
+  static T identity() { return T(1); }
+};
+struct op_min {
+  template <class T>
+  static T apply(const T& a, const T& b) { return T(::metal::min(a, b)); }
+};
+struct op_max {
+  template <class T>
+  static T apply(const T& a, const T& b) { return T(::metal::max(a, b)); }
+};
+struct op_and {
+  template <class T>
+  static T apply(const T& a, const T& b) { return T(a & b); }
+};
+struct op_or {
+  template <class T>
+  static T apply(const T& a, const T& b) { return T(a | b); }
+};
+struct op_xor {
+  template <class T>
+  static T apply(const T& a, const T& b) { return T(a ^ b); }
+};
+
+// Reduction over the active lanes, in lane order; every active lane gets the result.
+template <class T, class Op>
+struct reduce {
+  static void resolve(void* const* o, void* const* r, uint32_t active) {
+    T acc{};
+    bool first = true;
+    BNB_EMU_FOR_ACTIVE(i) {
+      const T& v = *static_cast<const T*>(o[i]);
+      acc = first ? v : Op::apply(acc, v);
+      first = false;
+    }
+    BNB_EMU_FOR_ACTIVE(i) *static_cast<T*>(r[i]) = acc;
+  }
+};
+
+// Prefix scans over the active lanes in lane order.
+template <class T, class Op, bool Inclusive>
+struct scan {
+  static void resolve(void* const* o, void* const* r, uint32_t active) {
+    T acc = Op::template identity<T>();
+    BNB_EMU_FOR_ACTIVE(i) {
+      const T& v = *static_cast<const T*>(o[i]);
+      if (Inclusive) {
+        acc = Op::apply(acc, v);
+        *static_cast<T*>(r[i]) = acc;
+      } else {
+        *static_cast<T*>(r[i]) = acc;
+        acc = Op::apply(acc, v);
+      }
+    }
+  }
+};
+
+template <class T>
+struct shuffle_arg {
+  T value;
+  int32_t arg;
+};
+enum shuffle_kind { SHUF_INDEX, SHUF_DOWN, SHUF_UP, SHUF_ROT_DOWN, SHUF_ROT_UP, SHUF_XOR, SHUF_FIRST };
+
+// Lane i reads lane src(i). Reading an inactive lane is undefined in Metal: zero here. Shifts
+// past the end of the simdgroup keep the lane's own value (simd_shuffle_down/up).
+template <class T, int Kind>
+struct shuffle {
+  static void resolve(void* const* o, void* const* r, uint32_t active) {
+    uint32_t first = uint32_t(__builtin_ctz(active));
+    BNB_EMU_FOR_ACTIVE(i) {
+      const auto& me = *static_cast<const shuffle_arg<T>*>(o[i]);
+      int64_t src;
+      switch (Kind) {
+        case SHUF_INDEX: src = me.arg; break;
+        case SHUF_DOWN: src = int64_t(i) + me.arg; break;
+        case SHUF_UP: src = int64_t(i) - me.arg; break;
+        case SHUF_ROT_DOWN: src = (int64_t(i) + me.arg) % kSimdWidth; break;
+        case SHUF_ROT_UP: src = ((int64_t(i) - me.arg) % kSimdWidth + kSimdWidth) % kSimdWidth; break;
+        case SHUF_XOR: src = int64_t(i ^ uint32_t(me.arg)); break;
+        default: src = first; break;
+      }
+      T out{};
+      if ((Kind == SHUF_DOWN || Kind == SHUF_UP) && (src < 0 || src >= int64_t(kSimdWidth)))
+        out = me.value;
+      else if (src >= 0 && src < int64_t(kSimdWidth) && (active & (1u << src)))
+        out = static_cast<const shuffle_arg<T>*>(o[src])->value;
+      *static_cast<T*>(r[i]) = out;
+    }
+  }
+};
+
+struct vote_arg {
+  bool value;
+};
+struct vote_result {
+  uint64_t bits, active;
+};
+struct ballot {
+  static void resolve(void* const* o, void* const* r, uint32_t active) {
+    uint64_t bits = 0;
+    BNB_EMU_FOR_ACTIVE(i) if (static_cast<const vote_arg*>(o[i])->value) bits |= 1ull << i;
+    BNB_EMU_FOR_ACTIVE(i) *static_cast<vote_result*>(r[i]) = vote_result{bits, active};
+  }
+};
+struct is_first {
+  static void resolve(void* const*, void* const* r, uint32_t active) {
+    uint32_t first = uint32_t(__builtin_ctz(active));
+    BNB_EMU_FOR_ACTIVE(i) *static_cast<bool*>(r[i]) = i == first;
+  }
+};
+struct rendezvous {
+  static void resolve(void* const*, void* const*, uint32_t) {}
+};
+// A collective whose operand every active lane must pass identically (simdgroup_matrix load and
+// store addresses): the result tells each lane whether they did.
+template <class T>
+struct uniform_check {
+  static void resolve(void* const* o, void* const* r, uint32_t active) {
+    const T* first = nullptr;
+    bool ok = true;
+    BNB_EMU_FOR_ACTIVE(i) {
+      const T* v = static_cast<const T*>(o[i]);
+      if (!first)
+        first = v;
+      else if (__builtin_memcmp(first, v, sizeof(T)) != 0)
+        ok = false;
+    }
+    BNB_EMU_FOR_ACTIVE(i) *static_cast<bool*>(r[i]) = ok;
+  }
+};
+#undef BNB_EMU_FOR_ACTIVE
+
+}  // namespace emu
+
+// --- barriers -------------------------------------------------------------------------------
+
+enum class mem_flags : uint { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4,
+                              mem_threadgroup_imageblock = 8, mem_object_data = 16 };
+constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) | uint(b)); }
+constexpr mem_flags operator&(mem_flags a, mem_flags b) { return mem_flags(uint(a) & uint(b)); }
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+
+inline void threadgroup_barrier(mem_flags flags, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  emu::rt->barrier(uint(flags), file, line);
+}
+inline void simdgroup_barrier(mem_flags, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  emu::collective<emu::rendezvous, char>("simdgroup_barrier", 0, file, line);
+}
+
+// --- SIMD-group functions -------------------------------------------------------------------
+
+struct simd_vote {
+  using vote_t = ulong;
+  simd_vote() = default;
+  explicit simd_vote(vote_t v) : bits_(v), active_(0xFFFFFFFFull) {}
+  simd_vote(vote_t v, vote_t active) : bits_(v), active_(active) {}
+  explicit operator vote_t() const { return bits_; }
+  bool all() const { return (bits_ & active_) == active_; }
+  bool any() const { return bits_ != 0; }
+
+ private:
+  vote_t bits_ = 0, active_ = 0;
+};
+
+#define BNB_EMU_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
+#define BNB_EMU_REDUCE(name, op)                                                                    \
+  template <class T>                                                                                \
+  inline T name(T x, BNB_EMU_SITE) {                                                                \
+    return emu::collective<emu::reduce<T, emu::op>, T>(#name, x, file, line);                       \
+  }
+BNB_EMU_REDUCE(simd_sum, op_add)
+BNB_EMU_REDUCE(simd_product, op_mul)
+BNB_EMU_REDUCE(simd_min, op_min)
+BNB_EMU_REDUCE(simd_max, op_max)
+BNB_EMU_REDUCE(simd_and, op_and)
+BNB_EMU_REDUCE(simd_or, op_or)
+BNB_EMU_REDUCE(simd_xor, op_xor)
+#undef BNB_EMU_REDUCE
+#define BNB_EMU_SCAN(name, op, incl)                                                                \
+  template <class T>                                                                                \
+  inline T name(T x, BNB_EMU_SITE) {                                                                \
+    return emu::collective<emu::scan<T, emu::op, incl>, T>(#name, x, file, line);                   \
+  }
+BNB_EMU_SCAN(simd_prefix_inclusive_sum, op_add, true)
+BNB_EMU_SCAN(simd_prefix_exclusive_sum, op_add, false)
+BNB_EMU_SCAN(simd_prefix_inclusive_product, op_mul, true)
+BNB_EMU_SCAN(simd_prefix_exclusive_product, op_mul, false)
+#undef BNB_EMU_SCAN
+#define BNB_EMU_SHUFFLE(name, kind, argtype)                                                        \
+  template <class T>                                                                                \
+  inline T name(T x, argtype a, BNB_EMU_SITE) {                                                     \
+    return emu::collective<emu::shuffle<T, emu::kind>, T>(#name, emu::shuffle_arg<T>{x, int32_t(a)}, file, line); \
+  }
+BNB_EMU_SHUFFLE(simd_shuffle, SHUF_INDEX, ushort)
+BNB_EMU_SHUFFLE(simd_broadcast, SHUF_INDEX, ushort)
+BNB_EMU_SHUFFLE(simd_shuffle_down, SHUF_DOWN, ushort)
+BNB_EMU_SHUFFLE(simd_shuffle_up, SHUF_UP, ushort)
+BNB_EMU_SHUFFLE(simd_shuffle_rotate_down, SHUF_ROT_DOWN, ushort)
+BNB_EMU_SHUFFLE(simd_shuffle_rotate_up, SHUF_ROT_UP, ushort)
+BNB_EMU_SHUFFLE(simd_shuffle_xor, SHUF_XOR, ushort)
+#undef BNB_EMU_SHUFFLE
+template <class T>
+inline T simd_broadcast_first(T x, BNB_EMU_SITE) {
+  return emu::collective<emu::shuffle<T, emu::SHUF_FIRST>, T>("simd_broadcast_first", emu::shuffle_arg<T>{x, 0},
+                                                                file, line);
+}
+inline simd_vote simd_ballot(bool b, BNB_EMU_SITE) {
+  auto r = emu::collective<emu::ballot, emu::vote_result>("simd_ballot", emu::vote_arg{b}, file, line);
+  return simd_vote(r.bits, r.active);
+}
+inline simd_vote simd_active_threads_mask(BNB_EMU_SITE) {
+  auto r = emu::collective<emu::ballot, emu::vote_result>("simd_active_threads_mask", emu::vote_arg{true}, file, line);
+  return simd_vote(r.bits, r.active);
+}
+inline bool simd_any(bool b, BNB_EMU_SITE) {
+  return emu::collective<emu::ballot, emu::vote_result>("simd_any", emu::vote_arg{b}, file, line).bits != 0;
+}
+inline bool simd_all(bool b, BNB_EMU_SITE) {
+  auto r = emu::collective<emu::ballot, emu::vote_result>("simd_all", emu::vote_arg{b}, file, line);
+  return (r.bits & r.active) == r.active;
+}
+inline bool simd_is_first(BNB_EMU_SITE) {
+  return emu::collective<emu::is_first, bool>("simd_is_first", 0, file, line);
+}
+
+// --- simdgroup_matrix: every lane holds the whole 8x8 matrix; operations are collectives --------
+
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  T m[Rows][Cols];
+  simdgroup_matrix() : m{} {}
+  explicit simdgroup_matrix(T diagonal) : m{} {
+    for (int i = 0; i < Rows && i < Cols; ++i) m[i][i] = diagonal;
+  }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <class T, int Cols, int Rows>
+inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, Cols, Rows> r;
+  for (int i = 0; i < Rows; ++i)
+    for (int j = 0; j < Cols; ++j) r.m[i][j] = value;
+  return r;
+}
+
+namespace emu {
+struct matrix_access {
+  const volatile void* ptr;
+  ulong stride, col, row;
+  bool transpose;
+};
+template <class T>
+struct identity {
+  using type = T;
+};
+inline void check_uniform(const char* what, const matrix_access& a, const char* file, int line) {
+  if (!collective<uniform_check<matrix_access>, bool>(what, a, file, line))
+    rt->fail(BNB_EMU_DIVERGENT_COLLECTIVE,
+             "simdgroup_matrix operation with arguments that differ between the lanes of the simdgroup", file,
+             line);
+}
+}  // namespace emu
+
+template <class T, int C, int R>
+inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const volatile typename emu::identity<T>::type* src,
+                           ulong elements_per_row = C, vec<ulong, 2> origin = vec<ulong, 2>(0),
+                           bool transpose = false, BNB_EMU_SITE) {
+  emu::check_uniform("simdgroup_load", emu::matrix_access{src, elements_per_row, origin.x, origin.y, transpose},
+                     file, line);
+  const T* base = const_cast<const T*>(src) + origin.y * elements_per_row + origin.x;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) {
+      const T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
+      emu::threadgroup_touch(p, sizeof(T), BNB_EMU_ACCESS_READ);
+      d.m[i][j] = *p;
+    }
+}
+template <class T, int C, int R>
+inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, volatile typename emu::identity<T>::type* dst,
+                            ulong elements_per_row = C, vec<ulong, 2> origin = vec<ulong, 2>(0),
+                            bool transpose = false, BNB_EMU_SITE) {
+  emu::check_uniform("simdgroup_store", emu::matrix_access{dst, elements_per_row, origin.x, origin.y, transpose},
+                     file, line);
+  T* base = const_cast<T*>(dst) + origin.y * elements_per_row + origin.x;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) {
+      T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
+      *p = a.m[i][j];
+    }
+}
+// d = a * b + c, accumulated in float in k order.
+template <class TD, class TA, class TB, class TC, int M, int N, int K>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
+                                          const simdgroup_matrix<TB, N, K>& b, const simdgroup_matrix<TC, N, M>& c,
+                                          BNB_EMU_SITE) {
+  emu::collective<emu::rendezvous, char>("simdgroup_multiply_accumulate", 0, file, line);
+  simdgroup_matrix<TD, N, M> out;
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      float acc = float(c.m[i][j]);
+      for (int k = 0; k < K; ++k) acc = acc + float(a.m[i][k]) * float(b.m[k][j]);
+      out.m[i][j] = TD(acc);
+    }
+  d = out;
+}
+template <class TD, class TA, class TB, int M, int N, int K>
+inline void simdgroup_multiply(simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
+                               const simdgroup_matrix<TB, N, K>& b, BNB_EMU_SITE) {
+  emu::collective<emu::rendezvous, char>("simdgroup_multiply", 0, file, line);
+  simdgroup_matrix<TD, N, M> out;
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; ++k) acc = acc + float(a.m[i][k]) * float(b.m[k][j]);
+      out.m[i][j] = TD(acc);
+    }
+  d = out;
+}
+#undef BNB_EMU_SITE
+
+// --- atomics ---------------------------------------------------------------------------------
+
+enum memory_order { memory_order_relaxed = 0, memory_order_acquire = 2, memory_order_release = 3,
+                    memory_order_acq_rel = 4, memory_order_seq_cst = 5 };
+
+template <class T>
+struct atomic {
+  T value;
+};
+typedef atomic<int> atomic_int;
+typedef atomic<uint> atomic_uint;
+typedef atomic<bool> atomic_bool;
+typedef atomic<float> atomic_float;
+typedef atomic<ulong> atomic_ulong;
+typedef atomic<long> atomic_long;
+
+namespace emu {
+template <class T>
+inline T* atomic_ptr(const volatile atomic<T>* a) {
+  threadgroup_touch(a, sizeof(T), BNB_EMU_ACCESS_ATOMIC);
+  return const_cast<T*>(&a->value);
+}
+template <class T, class F>
+inline T atomic_update(const volatile atomic<T>* a, F f) {
+  T* p = atomic_ptr(a);
+  T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (!__atomic_compare_exchange_n(p, &old, f(old), true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+}  // namespace emu
+
+template <class T, class U>
+inline void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
+  __atomic_store_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
+}
+template <class T>
+inline T atomic_load_explicit(const volatile atomic<T>* a, memory_order) {
+  return __atomic_load_n(emu::atomic_ptr(a), __ATOMIC_SEQ_CST);
+}
+template <class T, class U>
+inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
+  return __atomic_exchange_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
+}
+template <class T, class U>
+inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expected, U desired, memory_order,
+                                                  memory_order) {
+  return __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_SEQ_CST);
+}
+template <class T, class U>
+inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* a, T* expected, U desired, memory_order,
+                                                    memory_order) {
+  return __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_SEQ_CST);
+}
+#define BNB_EMU_ATOMIC_RMW(name, expr)                                                              \
+  template <class T, class U>                                                                       \
+  inline T name(volatile atomic<T>* a, U operand, memory_order) {                                   \
+    T v = T(operand);                                                                               \
+    return emu::atomic_update(a, [v](T old) { return T(expr); });                                   \
+  }
+BNB_EMU_ATOMIC_RMW(atomic_fetch_add_explicit, old + v)
+BNB_EMU_ATOMIC_RMW(atomic_fetch_sub_explicit, old - v)
+BNB_EMU_ATOMIC_RMW(atomic_fetch_and_explicit, old & v)
+BNB_EMU_ATOMIC_RMW(atomic_fetch_or_explicit, old | v)
+BNB_EMU_ATOMIC_RMW(atomic_fetch_xor_explicit, old ^ v)
+BNB_EMU_ATOMIC_RMW(atomic_fetch_min_explicit, v < old ? v : old)
+BNB_EMU_ATOMIC_RMW(atomic_fetch_max_explicit, old < v ? v : old)
+#undef BNB_EMU_ATOMIC_RMW
+inline void atomic_thread_fence(mem_flags, memory_order, thread_scope = thread_scope_device) {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+}  // namespace metal

@@ -1,0 +1,1038 @@
+// The emulator runtime: a pool of worker threads; each runs whole threadgroups, one fiber per
+// simulated thread ("lane"). A lane runs until it reaches a yield point (threadgroup barrier,
+// SIMD-group collective) or exits; when no lane can run, the scheduler resolves collectives and
+// barriers and checks that the lanes agree on what they are waiting for.
+#include "runtime.h"
+
+#include <dlfcn.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "context.h"
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define BNB_EMU_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define BNB_EMU_ASAN 1
+#endif
+#ifndef BNB_EMU_ASAN
+#define BNB_EMU_ASAN 0
+#endif
+#if BNB_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace bnb_emu {
+namespace {
+
+constexpr uint32_t kMaxThreadsPerGroup = 1024;
+constexpr size_t kMaxThreadgroupMemory = 32768;
+constexpr uint32_t kSimdWidth = 32;
+
+size_t page_size() {
+  static const size_t p = size_t(sysconf(_SC_PAGESIZE));
+  return p;
+}
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+size_t stack_bytes() {
+  static const size_t s = [] {
+    size_t kb = BNB_EMU_ASAN ? 256 : 64;
+    if (const char* e = std::getenv("BNB_MPS_EMU_STACK_KB")) {
+      long v = std::strtol(e, nullptr, 10);
+      if (v >= 16) kb = size_t(v);
+    }
+    return round_up(kb * 1024, page_size());
+  }();
+  return s;
+}
+
+enum LaneState : uint8_t { RUNNABLE, AT_BARRIER, AT_SIMD, DONE, FAULTED };
+
+// A fiber stack with a PROT_NONE guard page below it (stacks grow down).
+struct Stack {
+  char* map = nullptr;  // guard page starts here
+  char* lo = nullptr;   // usable stack [lo, lo + size)
+  size_t size = 0;
+  Stack() = default;
+  Stack(const Stack&) = delete;
+  Stack& operator=(const Stack&) = delete;
+  Stack(Stack&& o) noexcept : map(o.map), lo(o.lo), size(o.size) { o.map = nullptr; }
+  ~Stack() {
+    if (map) munmap(map, size + page_size());
+  }
+  bool allocate(size_t bytes) {
+    size_t total = bytes + page_size();
+    void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return false;
+    mprotect(m, page_size(), PROT_NONE);
+    map = static_cast<char*>(m);
+    lo = map + page_size();
+    size = bytes;
+    return true;
+  }
+};
+
+struct Worker;
+
+struct Lane {
+  Context ctx;
+  bnb_emu_lane pub;
+  LaneState state = DONE;
+  uint32_t index = 0;  // thread_index_in_threadgroup
+  const char* file = nullptr;
+  int line = 0;
+  bnb_emu_resolver resolver = nullptr;
+  const char* what = nullptr;
+  void* operand = nullptr;
+  void* result = nullptr;
+  Stack* stack = nullptr;
+  Worker* worker = nullptr;
+  void* asan_fake = nullptr;
+};
+
+// A fault as recorded where it happens (possibly in a signal handler: no allocation there).
+struct RawFault {
+  int kind = BNB_EMU_OK;
+  char message[512] = {0};
+  const char* file = nullptr;
+  int line = 0;
+  uintptr_t addr = 0;
+  uintptr_t pc = 0;
+  int is_write = -1;  // -1 unknown
+  int si_code = 0;
+  bool have_lane = false;
+  bnb_emu_lane lane{};
+  uintptr_t stack_guard_lo = 0, stack_guard_hi = 0;
+};
+
+struct Guard {
+  uintptr_t lo, hi;       // the protected page
+  uintptr_t data_end;     // end of the bound data right below it
+  std::vector<int> args;  // buffer indices bound into this region
+  size_t size;            // bytes of data
+};
+
+struct Binding {
+  char* dev = nullptr;
+  size_t size = 0;
+};
+
+struct Dispatch {
+  const LaunchRequest* req = nullptr;
+  std::vector<Binding> bindings;
+  std::vector<Guard> guards;
+  bool misaligned = false;  // some buffer is bound at an address less aligned than its host copy
+  uint32_t edge[3] = {0, 0, 0};
+  uint64_t total_groups = 0;
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  bool have_fault = false;
+  RawFault fault;
+  std::string kernel_message_suffix;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Race checker state for one threadgroup: per-byte last writer and reader since the last barrier.
+
+constexpr uint16_t kMulti = 0xFFFF;
+
+struct RaceState {
+  std::vector<unsigned char> snapshot;
+  std::vector<uint16_t> writer, writer_epoch, reader, reader_epoch;
+  std::vector<uint8_t> reader_sg, atomic;
+  uint32_t sg_epoch[kMaxThreadsPerGroup / kSimdWidth] = {0};
+  void init() {
+    if (!snapshot.empty()) return;
+    snapshot.resize(kMaxThreadgroupMemory);
+    writer.resize(kMaxThreadgroupMemory);
+    writer_epoch.resize(kMaxThreadgroupMemory);
+    reader.resize(kMaxThreadgroupMemory);
+    reader_epoch.resize(kMaxThreadgroupMemory);
+    reader_sg.resize(kMaxThreadgroupMemory);
+    atomic.resize(kMaxThreadgroupMemory);
+  }
+  void clear(size_t used) {
+    std::fill_n(writer.begin(), used, 0);
+    std::fill_n(reader.begin(), used, 0);
+    std::fill_n(atomic.begin(), used, 0);
+  }
+};
+
+struct Site {
+  const void* key;
+  size_t offset, size;
+  const char* name;
+};
+
+thread_local Worker* t_worker = nullptr;
+
+struct Worker {
+  Context sched;
+  Lane* current = nullptr;
+  volatile bool in_fiber = false;
+  Dispatch* d = nullptr;
+  std::vector<Lane> lanes;
+  std::vector<std::unique_ptr<Stack>> stacks;
+  std::vector<uint32_t> order;
+  unsigned char* arena = nullptr;
+  size_t arena_used = 0;
+  std::vector<Site> sites;
+  RaceState race;
+  uint32_t group_index[3] = {0, 0, 0};
+  uint32_t nlanes = 0;
+  uint64_t rng = 0;
+  RawFault pending;  // written by fail()/the signal handler, read by the scheduler
+  bool has_pending = false;
+  void* altstack = nullptr;
+  void* asan_sched_bottom = nullptr;
+  size_t asan_sched_size = 0;
+
+  Worker() {
+    arena = static_cast<unsigned char*>(std::aligned_alloc(64, kMaxThreadgroupMemory));
+  }
+  ~Worker() { std::free(arena); }
+
+  bool run_group(uint64_t linear);
+  void resume(Lane& l);
+  bool resolve();
+  void race_diff(Lane& l);
+  void fault_from_scheduler(int kind, const Lane* l, const char* file, int line, const char* fmt, ...)
+      __attribute__((format(printf, 6, 7)));
+};
+
+// ---------------------------------------------------------------------------------------------
+// Switching between the scheduler and a lane (with AddressSanitizer's fiber annotations).
+
+void switch_to_lane(Worker* w, Lane* l) {
+#if BNB_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, l->stack->lo, l->stack->size);
+  context_switch(&w->sched, &l->ctx);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  context_switch(&w->sched, &l->ctx);
+#endif
+}
+
+void switch_to_scheduler(Lane* l, bool dying) {
+  Worker* w = l->worker;
+#if BNB_EMU_ASAN
+  __sanitizer_start_switch_fiber(dying ? nullptr : &l->asan_fake, w->asan_sched_bottom, w->asan_sched_size);
+  context_switch(&l->ctx, &w->sched);
+  __sanitizer_finish_switch_fiber(l->asan_fake, nullptr, nullptr);
+#else
+  (void)dying;
+  context_switch(&l->ctx, &w->sched);
+#endif
+}
+
+void fiber_main(void* arg) {
+  Lane* l = static_cast<Lane*>(arg);
+#if BNB_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, const_cast<const void**>(&l->worker->asan_sched_bottom),
+                                  &l->worker->asan_sched_size);
+#endif
+  l->worker->d->req->fn();
+  l->state = DONE;
+  switch_to_scheduler(l, true);
+  std::abort();  // a finished lane is never resumed
+}
+
+// Ends the calling lane with a fault recorded in w->pending.
+[[noreturn]] void abandon_lane(Worker* w, Lane* l) {
+  l->state = FAULTED;
+  switch_to_scheduler(l, true);
+  std::abort();
+}
+
+void format_position(char* out, size_t n, const bnb_emu_lane& p) {
+  std::snprintf(out, n,
+                "thread_position_in_threadgroup (%u, %u, %u), threadgroup_position_in_grid (%u, %u, %u), "
+                "thread_position_in_grid (%u, %u, %u)",
+                p.thread_position_in_threadgroup[0], p.thread_position_in_threadgroup[1],
+                p.thread_position_in_threadgroup[2], p.threadgroup_position_in_grid[0],
+                p.threadgroup_position_in_grid[1], p.threadgroup_position_in_grid[2],
+                p.thread_position_in_grid[0], p.thread_position_in_grid[1], p.thread_position_in_grid[2]);
+}
+
+std::string where(const char* file, int line) {
+  if (!file) return "";
+  return std::string(file) + ":" + std::to_string(line);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The table kernel modules call.
+
+Worker* cur_worker() { return t_worker; }
+
+const bnb_emu_lane* rt_lane() { return &t_worker->current->pub; }
+
+[[noreturn]] void rt_fail(int kind, const char* message, const char* file, int line) {
+  Worker* w = t_worker;
+  Lane* l = w->current;
+  RawFault& f = w->pending;
+  f = RawFault{};
+  f.kind = kind;
+  std::snprintf(f.message, sizeof f.message, "%s", message);
+  f.file = file;
+  f.line = line;
+  f.have_lane = true;
+  f.lane = l->pub;
+  w->has_pending = true;
+  abandon_lane(w, l);
+}
+
+void* rt_buffer(uint32_t index, const char* file, int line) {
+  Worker* w = t_worker;
+  const auto& b = w->d->bindings;
+  if (index >= b.size()) {
+    char msg[200];
+    std::snprintf(msg, sizeof msg, "[[buffer(%u)]] is not bound (the launch binds %zu buffer%s)", index, b.size(),
+                  b.size() == 1 ? "" : "s");
+    rt_fail(BNB_EMU_UNBOUND_BUFFER, msg, file, line);
+  }
+  return b[index].dev;
+}
+
+void* rt_threadgroup_alloc(const void* site, size_t size, size_t align, const char* name, const char* file,
+                           int line) {
+  Worker* w = t_worker;
+  for (const Site& s : w->sites)
+    if (s.key == site) return w->arena + s.offset;
+  if (align < 16) align = 16;
+  size_t off = round_up(w->arena_used, align);
+  if (off + size > kMaxThreadgroupMemory) {
+    char msg[300];
+    std::snprintf(msg, sizeof msg,
+                  "threadgroup memory exceeds the Metal limit of %zu bytes: '%s' needs %zu bytes at offset %zu",
+                  kMaxThreadgroupMemory, name, size, off);
+    rt_fail(BNB_EMU_LIMIT_EXCEEDED, msg, file, line);
+  }
+  std::memset(w->arena + off, w->d->req->poison, size);
+  if (w->d->req->race_check) std::memset(w->race.snapshot.data() + off, w->d->req->poison, size);
+  w->arena_used = off + size;
+  w->sites.push_back(Site{site, off, size, name});
+  return w->arena + off;
+}
+
+void rt_barrier(uint32_t /*flags*/, const char* file, int line) {
+  Worker* w = t_worker;
+  Lane* l = w->current;
+  l->state = AT_BARRIER;
+  l->file = file;
+  l->line = line;
+  switch_to_scheduler(l, false);
+}
+
+void rt_simd_collective(bnb_emu_resolver fn, const char* what, void* operand, void* result, const char* file,
+                        int line) {
+  Worker* w = t_worker;
+  Lane* l = w->current;
+  l->state = AT_SIMD;
+  l->resolver = fn;
+  l->what = what;
+  l->operand = operand;
+  l->result = result;
+  l->file = file;
+  l->line = line;
+  switch_to_scheduler(l, false);
+}
+
+const Site* site_of(Worker* w, size_t off) {
+  for (const Site& s : w->sites)
+    if (off >= s.offset && off < s.offset + s.size) return &s;
+  return nullptr;
+}
+
+// Whether an access by lane `me` conflicts with an earlier one by `other` (lane index + 1, 0 for
+// none) made when other's simdgroup had collective epoch `epoch`: no conflict with oneself, nor
+// with a lane of one's own simdgroup that has since passed a SIMD collective with us.
+bool conflicts(const Worker* w, uint32_t other, uint32_t epoch, uint32_t me) {
+  if (other == 0 || other == me + 1) return false;
+  uint32_t sg = me / kSimdWidth;
+  if ((other - 1) / kSimdWidth == sg && epoch < w->race.sg_epoch[sg]) return false;
+  return true;
+}
+
+const Lane* lane_at(const Worker* w, uint32_t idx) { return &w->lanes[idx]; }
+
+void rt_threadgroup_access(const void* p, size_t n, int kind, const char* file, int line) {
+  Worker* w = t_worker;
+  if (!w->d->req->race_check) return;
+  Lane* l = w->current;
+  auto* b = static_cast<const unsigned char*>(p);
+  if (b < w->arena || b + n > w->arena + w->arena_used) return;  // not threadgroup memory
+  size_t off = size_t(b - w->arena);
+  RaceState& r = w->race;
+  uint32_t me = l->index, sg = me / kSimdWidth, ep = r.sg_epoch[sg];
+  for (size_t i = off; i < off + n; ++i) {
+    if (kind == BNB_EMU_ACCESS_ATOMIC) {
+      r.atomic[i] = 1;
+      continue;
+    }
+    if (!r.atomic[i] && conflicts(w, r.writer[i], r.writer_epoch[i], me)) {
+      const Site* s = site_of(w, i);
+      char pos[300], msg[512];
+      format_position(pos, sizeof pos, lane_at(w, r.writer[i] - 1)->pub);
+      std::snprintf(msg, sizeof msg,
+                    "threadgroup race: reads '%s' (byte %zu) written since the last threadgroup_barrier by "
+                    "another thread (%s)",
+                    s ? s->name : "?", s ? i - s->offset : i, pos);
+      rt_fail(BNB_EMU_RACE, msg, file, line);
+    }
+    uint16_t rd = r.reader[i];
+    if (rd == 0 || rd == me + 1) {
+      r.reader[i] = uint16_t(me + 1);
+      r.reader_sg[i] = uint8_t(sg);
+    } else {
+      if (r.reader_sg[i] != sg) r.reader_sg[i] = 0xFF;
+      r.reader[i] = kMulti;
+    }
+    r.reader_epoch[i] = uint16_t(ep);
+  }
+}
+
+const bnb_emu_runtime g_table = {
+    BNB_EMU_ABI_VERSION,  rt_lane,    rt_buffer,
+    rt_threadgroup_alloc, rt_barrier, rt_simd_collective,
+    rt_threadgroup_access, rt_fail,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Faults in kernel code (guard pages, wild pointers, stack overflow): SIGSEGV/SIGBUS on an
+// alternate stack. A fault in a lane abandons that lane's fiber and returns to its scheduler.
+
+struct sigaction g_prev_segv, g_prev_bus;
+std::mutex g_signal_mu;
+
+void get_pc(void* ucv, RawFault& f) {
+  (void)ucv;
+#if defined(__linux__) && defined(__x86_64__)
+  auto* uc = static_cast<ucontext_t*>(ucv);
+  f.pc = uintptr_t(uc->uc_mcontext.gregs[REG_RIP]);
+  f.is_write = (uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0;
+#elif defined(__linux__) && defined(__aarch64__)
+  auto* uc = static_cast<ucontext_t*>(ucv);
+  f.pc = uintptr_t(uc->uc_mcontext.pc);
+#elif defined(__APPLE__) && defined(__aarch64__)
+  auto* uc = static_cast<ucontext_t*>(ucv);
+  f.pc = uintptr_t(uc->uc_mcontext->__ss.__pc);
+#elif defined(__APPLE__) && defined(__x86_64__)
+  auto* uc = static_cast<ucontext_t*>(ucv);
+  f.pc = uintptr_t(uc->uc_mcontext->__ss.__rip);
+#endif
+}
+
+void on_fault(int sig, siginfo_t* si, void* uc) {
+  Worker* w = t_worker;
+  if (w && w->in_fiber && w->current) {
+    Lane* l = w->current;
+    RawFault& f = w->pending;
+    f.kind = BNB_EMU_MEMORY_FAULT;
+    f.message[0] = 0;
+    f.file = nullptr;
+    f.line = 0;
+    f.addr = uintptr_t(si->si_addr);
+    f.si_code = si->si_code;
+    f.is_write = -1;
+    get_pc(uc, f);
+    f.have_lane = true;
+    f.lane = l->pub;
+    f.stack_guard_lo = reinterpret_cast<uintptr_t>(l->stack->map);
+    f.stack_guard_hi = reinterpret_cast<uintptr_t>(l->stack->lo);
+    w->has_pending = true;
+    abandon_lane(w, l);  // never returns; SA_NODEFER keeps the signal unblocked
+  }
+  // Not a simulated thread: put the previous handler back and let the fault happen again.
+  sigaction(sig, sig == SIGSEGV ? &g_prev_segv : &g_prev_bus, nullptr);
+}
+
+void install_handlers() {
+  std::lock_guard<std::mutex> lk(g_signal_mu);
+  struct sigaction cur;
+  sigaction(SIGSEGV, nullptr, &cur);
+  if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_fault) return;
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &g_prev_segv);
+  sigaction(SIGBUS, &sa, &g_prev_bus);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running one threadgroup.
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+void Worker::fault_from_scheduler(int kind, const Lane* l, const char* file, int line, const char* fmt, ...) {
+  pending = RawFault{};
+  pending.kind = kind;
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(pending.message, sizeof pending.message, fmt, ap);
+  va_end(ap);
+  pending.file = file;
+  pending.line = line;
+  if (l) {
+    pending.have_lane = true;
+    pending.lane = l->pub;
+  }
+  has_pending = true;
+}
+
+void Worker::resume(Lane& l) {
+  current = &l;
+  in_fiber = true;
+  switch_to_lane(this, &l);
+  in_fiber = false;
+  current = nullptr;
+  if (d->req->race_check && l.state != FAULTED && !has_pending) race_diff(l);
+}
+
+// Attributes every byte of threadgroup memory that changed while lane `l` ran to that lane.
+void Worker::race_diff(Lane& l) {
+  RaceState& r = race;
+  unsigned char* snap = r.snapshot.data();
+  size_t n = arena_used;
+  if (std::memcmp(arena, snap, n) == 0) return;
+  uint32_t me = l.index, sg = me / kSimdWidth, ep = r.sg_epoch[sg];
+  for (size_t i = 0; i < n; ++i) {
+    if (arena[i] == snap[i]) continue;
+    snap[i] = arena[i];
+    if (r.atomic[i]) continue;
+    const char* what = nullptr;
+    uint32_t other = 0;
+    if (conflicts(this, r.writer[i], r.writer_epoch[i], me)) {
+      what = "writes";
+      other = r.writer[i] - 1;
+    } else if (r.reader[i] != 0 && r.reader[i] != me + 1) {
+      bool synced = r.reader[i] == kMulti ? (r.reader_sg[i] == sg && r.reader_epoch[i] < ep)
+                                          : !conflicts(this, r.reader[i], r.reader_epoch[i], me);
+      if (!synced) {
+        what = "reads";
+        other = r.reader[i] == kMulti ? UINT32_MAX : r.reader[i] - 1;
+      }
+    }
+    if (what) {
+      const Site* s = site_of(this, i);
+      char pos[300] = "several threads";
+      if (other != UINT32_MAX) format_position(pos, sizeof pos, lanes[other].pub);
+      fault_from_scheduler(BNB_EMU_RACE, &l, nullptr, 0,
+                           "threadgroup race: writes '%s' (byte %zu), which another thread %s since the last "
+                           "threadgroup_barrier (%s)",
+                           s ? s->name : "?", s ? i - s->offset : i, what, pos);
+      return;
+    }
+    r.writer[i] = uint16_t(me + 1);
+    r.writer_epoch[i] = uint16_t(ep);
+  }
+}
+
+// Called when no lane can run. Returns false on a fault (recorded in `pending`).
+bool Worker::resolve() {
+  bool progressed = false;
+  uint32_t nsg = (nlanes + kSimdWidth - 1) / kSimdWidth;
+  for (uint32_t sg = 0; sg < nsg; ++sg) {
+    uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+    Lane* first = nullptr;
+    Lane* barrier = nullptr;
+    uint32_t mask = 0;
+    void* ops[kSimdWidth] = {nullptr};
+    void* res[kSimdWidth] = {nullptr};
+    for (uint32_t i = lo; i < hi; ++i) {
+      Lane& l = lanes[i];
+      if (l.state == AT_SIMD) {
+        if (!first) {
+          first = &l;
+        } else if (l.resolver != first->resolver || l.line != first->line ||
+                   (l.file != first->file && std::strcmp(l.file, first->file) != 0)) {
+          fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, &l, l.file, l.line,
+                               "SIMD-group collective in divergent control flow: this thread is at %s (%s) while "
+                               "lane %u of its simdgroup is at %s (%s)",
+                               l.what, where(l.file, l.line).c_str(), first->pub.thread_index_in_simdgroup,
+                               first->what, where(first->file, first->line).c_str());
+          return false;
+        }
+        mask |= 1u << (i - lo);
+        ops[i - lo] = l.operand;
+        res[i - lo] = l.result;
+      } else if (l.state == AT_BARRIER && !barrier) {
+        barrier = &l;
+      }
+    }
+    if (!first) continue;
+    if (barrier) {
+      fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
+                           "SIMD-group collective in divergent control flow: this thread is at %s while lane %u of "
+                           "its simdgroup waits at threadgroup_barrier (%s)",
+                           first->what, barrier->pub.thread_index_in_simdgroup,
+                           where(barrier->file, barrier->line).c_str());
+      return false;
+    }
+    if (first->resolver) first->resolver(ops, res, mask);
+    for (uint32_t i = lo; i < hi; ++i)
+      if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
+    ++race.sg_epoch[sg];
+    progressed = true;
+  }
+  if (progressed) return true;
+
+  // Every lane left is at a threadgroup barrier: all must be at the same one, and none may have
+  // exited (Metal requires every thread of the threadgroup to reach each barrier).
+  Lane* first = nullptr;
+  Lane* exited = nullptr;
+  for (uint32_t i = 0; i < nlanes; ++i) {
+    Lane& l = lanes[i];
+    if (l.state == DONE) {
+      if (!exited) exited = &l;
+    } else if (l.state == AT_BARRIER) {
+      if (!first) {
+        first = &l;
+      } else if (l.line != first->line || (l.file != first->file && std::strcmp(l.file, first->file) != 0)) {
+        char pos[300];
+        format_position(pos, sizeof pos, first->pub);
+        fault_from_scheduler(BNB_EMU_BARRIER_DIVERGENCE, &l, l.file, l.line,
+                             "barrier divergence: this thread waits at threadgroup_barrier (%s) while another "
+                             "waits at a different one (%s; %s)",
+                             where(l.file, l.line).c_str(), where(first->file, first->line).c_str(), pos);
+        return false;
+      }
+    }
+  }
+  if (!first) return true;
+  if (exited) {
+    char pos[300];
+    format_position(pos, sizeof pos, exited->pub);
+    fault_from_scheduler(BNB_EMU_BARRIER_DIVERGENCE, first, first->file, first->line,
+                         "barrier divergence: threads wait at threadgroup_barrier (%s) but a thread of the "
+                         "threadgroup has already returned (%s)",
+                         where(first->file, first->line).c_str(), pos);
+    return false;
+  }
+  for (uint32_t i = 0; i < nlanes; ++i)
+    if (lanes[i].state == AT_BARRIER) lanes[i].state = RUNNABLE;
+  if (d->req->race_check) race.clear(arena_used);
+  return true;
+}
+
+bool Worker::run_group(uint64_t linear) {
+  const LaunchRequest& q = *d->req;
+  uint32_t g[3];
+  g[0] = uint32_t(linear % q.groups[0]);
+  g[1] = uint32_t((linear / q.groups[0]) % q.groups[1]);
+  g[2] = uint32_t(linear / (uint64_t(q.groups[0]) * q.groups[1]));
+  uint32_t size[3];
+  for (int k = 0; k < 3; ++k) {
+    size[k] = q.group_size[k];
+    if (g[k] + 1 == q.groups[k] && d->edge[k]) size[k] = d->edge[k];
+  }
+  nlanes = size[0] * size[1] * size[2];
+  if (lanes.size() < nlanes) lanes.resize(nlanes);
+  while (stacks.size() < nlanes) {
+    auto s = std::make_unique<Stack>();
+    if (!s->allocate(stack_bytes())) {
+      fault_from_scheduler(BNB_EMU_KERNEL_ERROR, nullptr, nullptr, 0, "cannot allocate fiber stacks");
+      return false;
+    }
+    stacks.push_back(std::move(s));
+  }
+  uint32_t nsg = (nlanes + kSimdWidth - 1) / kSimdWidth;
+  for (uint32_t i = 0; i < nlanes; ++i) {
+    Lane& l = lanes[i];
+    l.index = i;
+    l.worker = this;
+    l.stack = stacks[i].get();
+    l.state = RUNNABLE;
+    bnb_emu_lane& p = l.pub;
+    uint32_t t[3] = {i % size[0], (i / size[0]) % size[1], i / (size[0] * size[1])};
+    for (int k = 0; k < 3; ++k) {
+      p.thread_position_in_threadgroup[k] = t[k];
+      p.threadgroup_position_in_grid[k] = g[k];
+      p.threads_per_threadgroup[k] = size[k];
+      p.dispatch_threads_per_threadgroup[k] = q.group_size[k];
+      p.threadgroups_per_grid[k] = q.groups[k];
+      p.threads_per_grid[k] = q.threads[k];
+      p.thread_position_in_grid[k] = g[k] * q.group_size[k] + t[k];
+    }
+    p.thread_index_in_threadgroup = i;
+    p.thread_index_in_simdgroup = i % kSimdWidth;
+    p.simdgroup_index_in_threadgroup = i / kSimdWidth;
+    p.threads_per_simdgroup = kSimdWidth;
+    p.simdgroups_per_threadgroup = nsg;
+    p.lanes_in_simdgroup = std::min(kSimdWidth, nlanes - (i / kSimdWidth) * kSimdWidth);
+    context_init(&l.ctx, l.stack->lo, l.stack->size, fiber_main, &l);
+  }
+  arena_used = 0;
+  sites.clear();
+  if (q.race_check) {
+    race.init();
+    std::fill_n(race.sg_epoch, nsg, 0u);
+  }
+  order.resize(nlanes);
+  for (uint32_t i = 0; i < nlanes; ++i) order[i] = q.order == LaneOrder::Reverse ? nlanes - 1 - i : i;
+  rng = q.seed * 0x2545F4914F6CDD1Dull + linear;
+
+  for (;;) {
+    if (q.order == LaneOrder::Random)
+      for (uint32_t i = nlanes; i > 1; --i) std::swap(order[i - 1], order[splitmix(rng) % i]);
+    bool any = false;
+    for (uint32_t k = 0; k < nlanes; ++k) {
+      Lane& l = lanes[order[k]];
+      if (l.state != RUNNABLE) continue;
+      any = true;
+      resume(l);
+      if (has_pending) return false;
+    }
+    if (!any) {
+      bool all_done = true;
+      for (uint32_t i = 0; i < nlanes && all_done; ++i) all_done = lanes[i].state == DONE;
+      if (all_done) return true;
+    }
+    if (!resolve()) return false;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The worker pool.
+
+class Pool {
+ public:
+  explicit Pool(unsigned n) {
+    for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  unsigned size() const { return unsigned(threads_.size()); }
+
+  void run(Dispatch* d) {
+    std::lock_guard<std::mutex> serial(run_mu_);
+    std::unique_lock<std::mutex> lk(mu_);
+    job_ = d;
+    active_ = size();
+    ++generation_;
+    cv_.notify_all();
+    done_cv_.wait(lk, [&] { return active_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void loop() {
+    Worker w;
+    t_worker = &w;
+    // Alternate signal stack: a lane that overflows its stack faults with no stack left.
+    size_t alt = 256 * 1024;
+    w.altstack = std::malloc(alt);
+    stack_t ss{};
+    ss.ss_sp = w.altstack;
+    ss.ss_size = alt;
+    ss.ss_flags = 0;
+    sigaltstack(&ss, nullptr);
+    uint64_t seen = 0;
+    for (;;) {
+      Dispatch* d;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        d = job_;
+      }
+      w.d = d;
+      for (;;) {
+        if (d->failed.load(std::memory_order_relaxed)) break;
+        uint64_t i = d->next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= d->total_groups) break;
+        w.has_pending = false;
+        if (!w.run_group(i)) {
+          std::lock_guard<std::mutex> lk(d->mu);
+          if (!d->have_fault) {
+            d->have_fault = true;
+            d->fault = w.pending;
+          }
+          d->failed.store(true);
+          break;
+        }
+      }
+      w.d = nullptr;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (--active_ == 0) done_cv_.notify_all();
+      }
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  Dispatch* job_ = nullptr;
+  unsigned active_ = 0;
+  uint64_t generation_ = 0;
+};
+
+Pool& pool() {
+  // Never destroyed: workers block forever on the condition variable at process exit.
+  static Pool* p = new Pool(worker_count());
+  return *p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Guarded buffers: each group of overlapping host buffers is copied into memory that ends right
+// against a PROT_NONE page.
+
+struct GuardedMemory {
+  char* map = nullptr;
+  size_t map_size = 0;
+  struct Region {
+    uintptr_t host;
+    size_t size;
+    char* dev;
+    bool writable;
+    char* slack_end;  // canary bytes [dev + size, slack_end) when the region had to be padded
+  };
+  std::vector<Region> regions;
+  ~GuardedMemory() {
+    if (map) munmap(map, map_size);
+  }
+};
+
+size_t lowbit(uintptr_t v) { return v ? size_t(v & (~v + 1)) : size_t(1) << 20; }
+
+constexpr unsigned char kCanary = 0xA7;
+
+// aligned=false: data ends exactly at the guard page (exact out-of-bounds detection); its start
+// may then be less aligned than the host copy. aligned=true: the start keeps the host alignment
+// (up to 16 bytes) and the few bytes of padding before the guard page hold a canary.
+bool bind_buffers(const LaunchRequest& q, Dispatch& d, GuardedMemory& gm, bool aligned, std::string& err) {
+  const size_t ps = page_size();
+  size_t n = q.buffers.size();
+  // Group buffers whose host ranges overlap, so that aliasing bindings share one copy.
+  std::vector<int> group(n, -1);
+  struct G {
+    uintptr_t lo, hi;
+    size_t align;
+    bool writable;
+    std::vector<int> args;
+  };
+  std::vector<G> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const HostBuffer& b = q.buffers[i];
+    uintptr_t lo = b.host, hi = b.host + b.size;
+    int found = -1;
+    for (size_t k = 0; k < groups.size(); ++k)
+      if (b.size && groups[k].hi > groups[k].lo && lo < groups[k].hi && groups[k].lo < hi) found = int(k);
+    if (found < 0) {
+      groups.push_back(G{lo, hi, b.align, b.writable, {}});
+      found = int(groups.size() - 1);
+    } else {
+      G& g = groups[size_t(found)];
+      g.lo = std::min(g.lo, lo);
+      g.hi = std::max(g.hi, hi);
+      g.align = std::max(g.align, b.align);
+      g.writable = g.writable || b.writable;
+    }
+    groups[size_t(found)].args.push_back(int(i));
+    group[i] = found;
+  }
+  // Merging can make earlier groups overlap; merge until stable.
+  for (bool merged = true; merged;) {
+    merged = false;
+    for (size_t a = 0; a < groups.size() && !merged; ++a)
+      for (size_t b = a + 1; b < groups.size() && !merged; ++b) {
+        G &x = groups[a], &y = groups[b];
+        if (x.hi > x.lo && y.hi > y.lo && x.lo < y.hi && y.lo < x.hi) {
+          x.lo = std::min(x.lo, y.lo);
+          x.hi = std::max(x.hi, y.hi);
+          x.align = std::max(x.align, y.align);
+          x.writable = x.writable || y.writable;
+          x.args.insert(x.args.end(), y.args.begin(), y.args.end());
+          groups.erase(groups.begin() + long(b));
+          merged = true;
+        }
+      }
+  }
+  std::vector<size_t> offs;
+  size_t total = 0;
+  for (const G& g : groups) {
+    offs.push_back(total);
+    total += round_up(g.hi - g.lo + 16, ps) + ps;
+  }
+  if (total == 0) return true;
+  void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) {
+    err = "cannot map guarded buffers";
+    return false;
+  }
+  gm.map = static_cast<char*>(m);
+  gm.map_size = total;
+  d.bindings.assign(n, Binding{});
+  d.guards.clear();
+  d.misaligned = false;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const G& g = groups[k];
+    size_t size = g.hi - g.lo;
+    size_t data_pages = round_up(size + 16, ps);
+    char* guard = gm.map + offs[k] + data_pages;
+    mprotect(guard, ps, PROT_NONE);
+    size_t host_align = std::min<size_t>(16, lowbit(g.lo));
+    char* dev = guard - size;
+    char* slack_end = dev + size;
+    if (aligned) {
+      uintptr_t want = g.lo % host_align;
+      uintptr_t start = reinterpret_cast<uintptr_t>(dev);
+      start -= (start % host_align + host_align - want) % host_align;
+      dev = reinterpret_cast<char*>(start);
+      std::memset(dev + size, kCanary, size_t(guard - (dev + size)));
+    } else if (reinterpret_cast<uintptr_t>(dev) % host_align != g.lo % host_align) {
+      d.misaligned = true;
+    }
+    if (size) std::memcpy(dev, reinterpret_cast<const void*>(g.lo), size);
+    gm.regions.push_back({g.lo, size, dev, g.writable, slack_end == guard ? nullptr : guard});
+    d.guards.push_back(Guard{reinterpret_cast<uintptr_t>(guard), reinterpret_cast<uintptr_t>(guard) + ps,
+                             reinterpret_cast<uintptr_t>(dev + size), g.args, size});
+    for (int a : g.args) {
+      const HostBuffer& b = q.buffers[size_t(a)];
+      d.bindings[size_t(a)] = Binding{dev + (b.host - g.lo), b.size};
+      if (b.size == 0) d.bindings[size_t(a)].dev = guard;  // any access to an empty buffer faults
+    }
+  }
+  return true;
+}
+
+std::string args_text(const std::vector<int>& args) {
+  std::string s;
+  for (size_t i = 0; i < args.size(); ++i) s += (i ? ", " : "") + std::string("buffer(") + std::to_string(args[i]) + ")";
+  return s;
+}
+
+std::string lane_text(const RawFault& f) {
+  if (!f.have_lane) return "";
+  char pos[300];
+  format_position(pos, sizeof pos, f.lane);
+  return std::string(" [") + pos + "]";
+}
+
+}  // namespace
+
+unsigned worker_count() {
+  static const unsigned n = [] {
+    unsigned v = std::thread::hardware_concurrency();
+    if (const char* e = std::getenv("BNB_MPS_EMU_THREADS")) v = unsigned(std::strtoul(e, nullptr, 10));
+    return std::max(1u, std::min(v ? v : 1u, 64u));
+  }();
+  return n;
+}
+
+const bnb_emu_runtime* runtime_table() { return &g_table; }
+
+LaunchResult launch(const LaunchRequest& q) {
+  LaunchResult res;
+  auto fail = [&](int kind, std::string msg) {
+    res.kind = kind;
+    res.message = "kernel '" + q.kernel + "': " + msg;
+    return res;
+  };
+  uint64_t per_group = uint64_t(q.group_size[0]) * q.group_size[1] * q.group_size[2];
+  if (per_group == 0) return fail(BNB_EMU_LIMIT_EXCEEDED, "threadgroup size must not be zero");
+  if (per_group > kMaxThreadsPerGroup)
+    return fail(BNB_EMU_LIMIT_EXCEEDED, "threadgroup of " + std::to_string(per_group) +
+                                            " threads exceeds the Metal limit of 1024 threads per threadgroup");
+  uint64_t groups = uint64_t(q.groups[0]) * q.groups[1] * q.groups[2];
+  if (groups == 0) return res;
+
+  for (bool aligned : {false, true}) {
+    Dispatch d;
+    d.req = &q;
+    d.total_groups = groups;
+    for (int k = 0; k < 3; ++k) {
+      uint32_t rem = q.threads[k] % q.group_size[k];
+      d.edge[k] = (q.threads[k] && rem) ? rem : 0;
+    }
+    GuardedMemory gm;
+    std::string err;
+    if (!bind_buffers(q, d, gm, aligned, err)) return fail(BNB_EMU_KERNEL_ERROR, err);
+    install_handlers();
+    pool().run(&d);
+    if (d.have_fault) {
+      RawFault& f = d.fault;
+      res.kind = f.kind;
+      std::string msg = f.message;
+      if (f.kind == BNB_EMU_MEMORY_FAULT) {
+        for (const Guard& g : d.guards)
+          if (f.addr >= g.lo && f.addr < g.hi) {
+            f.kind = res.kind = BNB_EMU_OUT_OF_BOUNDS;
+            char m[400];
+            std::snprintf(m, sizeof m, "out-of-bounds %s of %s at byte %zu past its end (%zu bytes bound)",
+                          f.is_write == 1 ? "write" : f.is_write == 0 ? "read" : "access", args_text(g.args).c_str(),
+                          size_t(f.addr - g.data_end), g.size);
+            msg = m;
+          }
+        if (res.kind == BNB_EMU_MEMORY_FAULT) {
+          bool stack = f.addr >= f.stack_guard_lo && f.addr < f.stack_guard_hi;
+#if defined(SI_KERNEL)
+          bool general_protection = f.si_code == SI_KERNEL;  // x86: misaligned SSE access, bad address
+#else
+          bool general_protection = false;
+#endif
+          if (general_protection && !aligned && d.misaligned) {
+            res = LaunchResult{};
+            continue;  // a vector access the exact-end placement misaligned: run again aligned
+          }
+          char m[300];
+          std::snprintf(m, sizeof m, "invalid memory access at address 0x%zx%s", size_t(f.addr),
+                        general_protection ? " (general protection: a misaligned vector access or a non-canonical address)" : "");
+          msg = stack ? std::string("stack overflow (the fiber stack is ") + std::to_string(stack_bytes() / 1024) +
+                            " KiB; set BNB_MPS_EMU_STACK_KB for more)"
+                      : std::string(m);
+          if (stack) res.kind = f.kind = BNB_EMU_STACK_OVERFLOW;
+        }
+        if (f.pc) {
+          Dl_info info;
+          if (dladdr(reinterpret_cast<void*>(f.pc), &info) && info.dli_fname) {
+            res.object_path = info.dli_fname;
+            res.pc_offset = f.pc - reinterpret_cast<uintptr_t>(info.dli_fbase);
+          }
+        }
+      }
+      res.where = where(f.file, f.line);
+      res.message = "kernel '" + q.kernel + "': " + msg + (res.where.empty() ? "" : " at " + res.where) + lane_text(f);
+      return res;
+    }
+    // Canaries of padded regions: an out-of-bounds write that the guard page could not catch.
+    for (size_t k = 0; k < gm.regions.size(); ++k) {
+      const auto& r = gm.regions[k];
+      if (!r.slack_end) continue;
+      for (char* p = r.dev + r.size; p < r.slack_end; ++p)
+        if (static_cast<unsigned char>(*p) != kCanary)
+          return fail(BNB_EMU_OUT_OF_BOUNDS, "out-of-bounds write of " + args_text(d.guards[k].args) + " at byte " +
+                                                 std::to_string(p - (r.dev + r.size)) +
+                                                 " past its end (found after the dispatch; thread unknown)");
+    }
+    for (const auto& r : gm.regions)
+      if (r.writable && r.size) std::memcpy(reinterpret_cast<void*>(r.host), r.dev, r.size);
+    return res;
+  }
+  return res;
+}
+
+}  // namespace bnb_emu
