@@ -364,22 +364,20 @@ class _Linter:
                 self.report(m.start(), "address-space", f"cast to `{' '.join(target.split())}` has no address space")
 
     def _compile_time_names(self) -> set[str]:
-        code = self.code
-        names: set[str] = set()
-        names.update(re.findall(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)", code, re.M))
-        names.update(re.findall(r"\b(?:constexpr|constant)\b[^;=()]*?\b([A-Za-z_]\w*)\s*(?:=|\{)", code))
-        for body in re.findall(r"\benum\b[^{;]*\{([^}]*)\}", code):
-            names.update(re.findall(r"([A-Za-z_]\w*)\s*(?:=[^,]*)?(?:,|$)", body))
-        for m in re.finditer(r"\btemplate\s*<", code):
-            end = m.end()
-            depth = 1
-            while end < len(code) and depth:
-                depth += {"<": 1, ">": -1}.get(code[end], 0)
-                end += 1
-            for param in _split_top_level(code[m.end() : end - 1]):
-                words = re.findall(r"[A-Za-z_]\w*", _split_top_level(param, "=")[0])
-                if len(words) >= 2 and words[0] not in ("typename", "class"):
-                    names.add(words[-1])
+        names = _compile_time_names_in(self.code)
+        # Names from local headers this file includes (transitively), e.g. a #define'd size.
+        seen: set[Path] = set()
+        pending = [(Path(self.path).parent, self.code_with_strings)]
+        while pending:
+            directory, text = pending.pop()
+            for header in re.findall(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', text, re.M):
+                target = (directory / header).resolve()
+                if target in seen or not target.is_file():
+                    continue
+                seen.add(target)
+                with_strings, stripped = strip_comments_and_strings(target.read_text(encoding="utf-8", errors="replace"))
+                names |= _compile_time_names_in(stripped)
+                pending.append((target.parent, with_strings))
         return names
 
     def check_threadgroup_arrays(self) -> None:
@@ -398,6 +396,27 @@ class _Linter:
                 unknown = [w for w in words if w not in constants and w not in allowed_words]
                 if unknown:
                     self.report(m.start(), "threadgroup-array", f"threadgroup array `{m.group(1)}` has a size that is not a compile-time constant (`{extent.strip()}`)")
+
+
+def _compile_time_names_in(code: str) -> set[str]:
+    """Names usable in constant expressions: #defines, constexpr/constant variables, enumerators,
+    non-type template parameters."""
+    names: set[str] = set()
+    names.update(re.findall(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)", code, re.M))
+    names.update(re.findall(r"\b(?:constexpr|constant)\b[^;=()]*?\b([A-Za-z_]\w*)\s*(?:=|\{)", code))
+    for body in re.findall(r"\benum\b[^{;]*\{([^}]*)\}", code):
+        names.update(re.findall(r"([A-Za-z_]\w*)\s*(?:=[^,]*)?(?:,|$)", body))
+    for m in re.finditer(r"\btemplate\s*<", code):
+        end = m.end()
+        depth = 1
+        while end < len(code) and depth:
+            depth += {"<": 1, ">": -1}.get(code[end], 0)
+            end += 1
+        for param in _split_top_level(code[m.end() : end - 1]):
+            words = re.findall(r"[A-Za-z_]\w*", _split_top_level(param, "=")[0])
+            if len(words) >= 2 and words[0] not in ("typename", "class"):
+                names.add(words[-1])
+    return names
 
 
 def lint_source(text: str, path: str = "<string>") -> list[Finding]:

@@ -39,6 +39,7 @@ template <typename T>
     uint gid [[thread_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float buf[256];
+    threadgroup float htile[HELPER_TILE];  // size from an included header
     float v[4] = {x[0] * factor, x[1] * factor, 0.0f, 0.0f};
     float w[2]{v[0] * v[1], 1.0f};
     thread float& r = v[2];
@@ -54,7 +55,7 @@ template <typename T>
     if (gid < n) {
         out[gid] = T(scale(x, r, gid) + w[0] + *p * *q + t[lane] + float(s) + float(ptr[0]) + (flag ? 1.0f : 0.0f));
     }
-    buf[lane] = prod;
+    buf[lane] = prod + htile[0];
 }
 
 template [[host_name("scale_float")]] [[kernel]] decltype(scale_kernel<float>) scale_kernel<float>;

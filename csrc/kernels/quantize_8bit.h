@@ -1,0 +1,107 @@
+// 8-bit blockwise quantization with a 256-entry code (SPEC.md section 2).
+#pragma once
+
+#include "bnb_common.h"
+#include "quantize_layout.h"
+
+// Index of the code nearest to s: the number of thresholds t_k = fl32(code[k] + code[k+1]) / 2
+// strictly below s, an exact tie going to the even index of {k, k+1}; NaN gives 0.
+// `thresholds` holds t_0..t_254 (ascending). Branch-free binary search: 8 steps.
+inline uint bnb_code_index(float s, threadgroup const float* thresholds) {
+    if (bnb_is_nan(s)) {
+        return 0u;
+    }
+    uint pos = 0u;
+    for (uint step = 128u; step > 0u; step >>= 1) {
+        // pos + step - 1 <= 254 at every step (the steps sum to 255).
+        pos += thresholds[pos + step - 1u] < s ? step : 0u;
+    }
+    if (pos < 255u && thresholds[pos] == s && (pos & 1u) != 0u) {
+        pos += 1u;
+    }
+    return pos;
+}
+
+// Fills thresholds[0..254] from code; the caller adds the barrier.
+inline void bnb_load_thresholds(const device float* code, threadgroup float* thresholds, uint tid, uint threads) {
+    for (uint k = tid; k < 255u; k += threads) {
+        thresholds[k] = (code[k] + code[k + 1u]) * 0.5f;
+    }
+}
+
+// quantize_blockwise: out[i] = index of A[i] / absmax[block], absmax[block] = max |A| over the block.
+// Launch: BNB_QUANT_THREADS(BLOCKSIZE) threads per threadgroup,
+// ceil(n / BNB_QUANT_TG_ELEMS(BLOCKSIZE)) threadgroups (1-D).
+template <typename T, uint BLOCKSIZE>
+[[kernel]] void bnb_quantize_blockwise(
+    device const T* A [[buffer(0)]],
+    device const float* code [[buffer(1)]],
+    device uchar* out [[buffer(2)]],
+    device float* absmax [[buffer(3)]],
+    constant uint& n [[buffer(4)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+    constexpr uint PER_LANE = BNB_SG_ELEMS(BLOCKSIZE) / 32u;
+    threadgroup float thresholds[256];
+    threadgroup uint partial[BNB_SIMDS_PER_BLOCK(BLOCKSIZE)];
+
+    bnb_load_thresholds(code, thresholds, tid, BNB_QUANT_THREADS(BLOCKSIZE));
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const uint start = bnb_slice_start<BLOCKSIZE>(tg, sg);
+    float v[PER_LANE];
+    uint bits = 0u;
+    for (uint i = 0; i < PER_LANE; ++i) {
+        v[i] = bnb_load(A, start + i * 32u + lane, n);
+        bits = max(bits, bnb_abs_bits(v[i]));
+    }
+    bits = bnb_block_max_bits<BLOCKSIZE>(bits, 0u, lane, sg, partial);
+
+    const float amax = as_type<float>(bits);
+    // Precise reciprocal, then a float32 product: the codes must not depend on fast-math.
+    // amax == 0 gives r = inf and s = 0 * inf = NaN, hence index 0.
+    const float r = metal::precise::divide(1.0f, amax);
+    const uint block = start / BLOCKSIZE;
+    if (lane == 0u && start % BLOCKSIZE == 0u && block < bnb_num_blocks<BLOCKSIZE>(n)) {
+        absmax[block] = amax;
+    }
+    for (uint i = 0; i < PER_LANE; ++i) {
+        const uint idx = start + i * 32u + lane;
+        if (idx < n) {
+            out[idx] = uchar(bnb_code_index(v[i] * r, thresholds));
+        }
+    }
+}
+
+// dequantize_blockwise: out[i] = T(code[A[i]] * absmax[i / blocksize]).
+// Launch: 256 threads per threadgroup, ceil(n / 2048) threadgroups (1-D); each thread handles 8
+// elements, striped so that a simdgroup touches 32 consecutive elements per step.
+#define BNB_DEQUANT8_THREADS 256u
+#define BNB_DEQUANT8_PER_THREAD 8u
+
+template <typename T>
+[[kernel]] void bnb_dequantize_blockwise(
+    device const uchar* A [[buffer(0)]],
+    device const float* code [[buffer(1)]],
+    device const float* absmax [[buffer(2)]],
+    device T* out [[buffer(3)]],
+    constant uint& n [[buffer(4)]],
+    constant uint& blocksize [[buffer(5)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]]) {
+    threadgroup float lut[256];
+    for (uint k = tid; k < 256u; k += BNB_DEQUANT8_THREADS) {
+        lut[k] = code[k];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const uint start = tg * (BNB_DEQUANT8_THREADS * BNB_DEQUANT8_PER_THREAD);
+    for (uint i = 0; i < BNB_DEQUANT8_PER_THREAD; ++i) {
+        const uint idx = start + i * BNB_DEQUANT8_THREADS + tid;
+        if (idx < n) {
+            out[idx] = T(lut[A[idx]] * absmax[idx / blocksize]);
+        }
+    }
+}
