@@ -10,6 +10,7 @@ torch/csrc/mps/Module.cpp: tensors as buffers, ints as int64 and floats as float
 from __future__ import annotations
 
 import math
+import operator
 import struct
 
 import pytest
@@ -72,7 +73,9 @@ class FakeLibrary:
 
 
 class CpuShaderExecutor(shader.ShaderExecutor):
-    device_type = "cpu"  # lets CPU tensors stand in for mps ones in the stand-in library
+    # lets CPU tensors stand in for mps ones in the stand-in library
+    device_type = "cpu"
+    _on_device = operator.attrgetter("is_cpu")
 
 
 EDGE_SCALARS = [

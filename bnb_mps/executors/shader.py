@@ -24,6 +24,7 @@ arrays (nothing can set threadgroup memory lengths) - both hold for csrc/kernels
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 
@@ -58,8 +59,10 @@ def scalar_binding(scalar: Scalar) -> tuple[int, str | None]:
 
 class ShaderExecutor:
     name = "shader"
-    # Where tensors must live; torch binds any tensor's storage pointer as an MTLBuffer.
+    # Where tensors must live (torch binds any tensor's storage pointer as an MTLBuffer), and the
+    # check for it: an attribute read, the cheapest test per tensor per launch.
     device_type = "mps"
+    _on_device = operator.attrgetter("is_mps")
 
     def __init__(self, library) -> None:
         self._library = library
@@ -82,7 +85,7 @@ class ShaderExecutor:
         casts: dict[int, str] = {}
         for i, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
-                if arg.device.type != self.device_type:
+                if not self._on_device(arg):
                     raise ValueError(
                         f"argument {i} of kernel {kernel!r} is a tensor on {arg.device}; expected a tensor on "
                         f"{self.device_type}"
