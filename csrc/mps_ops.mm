@@ -51,6 +51,8 @@ id<MTLDevice> metal_device() {
 }
 
 // Quantization must not depend on the compiler's math mode: no fast-math, precise functions.
+// mathMode exists from the macOS 15 SDK on (whose headers define __MAC_15_0) and macOS 15 at run
+// time; before that, fastMathEnabled = NO is the same request.
 void use_safe_math(MTLCompileOptions* options) {
 #if defined(__MAC_15_0)
   if (@available(macOS 15.0, *)) {
