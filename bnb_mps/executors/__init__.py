@@ -25,7 +25,7 @@ GPU_TIERS = ("native", "shader")
 ENV_VAR = "BNB_MPS_EXECUTOR"
 
 BUILD_HINT = (
-    "xcode-select --install  # once, for the Metal toolchain\n"
+    "xcode-select --install  # once: the Apple clang that compiles the Objective-C++ executor\n"
     "    pip install --no-build-isolation -e /path/to/bnb-mps  # from a bnb-mps checkout, with torch installed"
 )
 
@@ -130,10 +130,10 @@ def executor_for(has_kernel: bool, device_type: str) -> Optional[Executor]:
 def describe(has_kernel: bool) -> tuple[str, str]:
     """(tier, reason) for an op on mps tensors."""
     sel = selection()
-    if sel.executor is not None and not has_kernel:
+    if not has_kernel:
         return "cpu", "no Metal kernel for this op yet: bitsandbytes' CPU implementation with transfers"
     if sel.executor is None:
-        return "cpu", sel.reason if has_kernel else "no Metal kernel for this op yet; " + sel.reason
+        return "cpu", sel.reason
     return sel.tier, sel.reason
 
 

@@ -1,0 +1,258 @@
+"""bnb_mps takes over every bitsandbytes schema on mps, quietly, undoably, and never breaks bitsandbytes."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import bitsandbytes  # noqa: F401  (its entry point registers bnb_mps)
+import torch
+
+import bnb_mps
+from bnb_mps import executors, ops, registration
+
+SCHEMAS_0_50 = {
+    "quantize_blockwise", "dequantize_blockwise", "dequantize_blockwise.out", "quantize_4bit", "dequantize_4bit",
+    "dequantize_4bit.out", "gemv_4bit", "gemv_4bit.out", "gemm_4bit", "int8_vectorwise_quant",
+    "int8_vectorwise_dequant", "int8_linear_matmul", "int8_linear_matmul.out", "int8_mm_dequant", "int8_scaled_mm",
+    "int8_mixed_scaled_mm", "int8_double_quant", "optimizer_update_8bit_blockwise", "optimizer_update_32bit",
+}  # fmt: skip
+
+
+def has_mps_kernel(name: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"bitsandbytes::{name}", "MPS")
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+
+
+def test_plain_import_of_bitsandbytes_registers_every_schema():
+    """No import of bnb_mps: bitsandbytes' entry point does it."""
+    proc = run_python(
+        """
+        import json, sys, torch
+        import bitsandbytes
+        names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("bitsandbytes::"))
+        print(json.dumps({
+            "loaded_by_entry_point": "bnb_mps" in sys.modules,
+            "schemas": names,
+            "mps": [n for n in names if torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::" + n, "MPS")],
+        }))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["loaded_by_entry_point"]
+    assert SCHEMAS_0_50 <= set(out["schemas"])
+    assert set(out["mps"]) == set(out["schemas"]) & set(registration.SCHEMAS)
+    assert SCHEMAS_0_50 <= set(out["mps"])
+
+
+def test_entry_point_is_silent_and_cheap_on_linux():
+    """Same output with and without bnb_mps' entry point; its cost measured around the call."""
+    code = """
+        import importlib.metadata as md, time, sys
+        import torch
+        keep = {keep}
+        orig = md.entry_points
+        cost = []
+        class Timed:
+            def __init__(self, ep): self.ep, self.name = ep, ep.name
+            def load(self):
+                def run():
+                    t = time.perf_counter(); self.ep.load()(); cost.append(time.perf_counter() - t)
+                return run
+        def patched(**kw):
+            eps = orig(**kw)
+            if kw.get("group") != "bitsandbytes.backends":
+                return eps
+            return [Timed(e) for e in eps if e.value.startswith("bnb_mps")] if keep else []
+        md.entry_points = patched
+        import bitsandbytes
+        print("COST", cost[0] * 1e3 if cost else -1, file=sys.__stdout__)
+    """
+    with_ep = run_python(code.format(keep=True))
+    without = run_python(code.format(keep=False))
+    assert with_ep.returncode == 0 and without.returncode == 0, with_ep.stderr + without.stderr
+    assert with_ep.stderr == without.stderr
+    strip = lambda s: [line for line in s.splitlines() if not line.startswith("COST")]  # noqa: E731
+    assert strip(with_ep.stdout) == strip(without.stdout)
+    cost_ms = float(with_ep.stdout.split("COST")[1].split()[0])
+    assert 0 < cost_ms < 20, f"entry point took {cost_ms:.2f} ms"  # typically ~1 ms here incl. imports
+
+
+def test_registered_in_this_process():
+    assert set(registration.registered("MPS")) == SCHEMAS_0_50
+    assert all(has_mps_kernel(n) for n in SCHEMAS_0_50)
+
+
+def test_schema_table_matches_the_op_layer():
+    assert set(registration.SCHEMAS) == set(ops.OPS)
+    for name, params in registration.SCHEMAS.items():
+        assert tuple(inspect.signature(ops.OPS[name].check).parameters) == params, name
+        schema = ops.op_packet(name)._schema
+        assert tuple(a.name for a in schema.arguments) == params, name
+
+
+@pytest.fixture
+def restore_registration():
+    yield
+    registration.unregister("MPS")
+    bnb_mps.register()
+    assert set(registration.registered("MPS")) == SCHEMAS_0_50
+
+
+def test_unregister_restores_bitsandbytes_kernels(restore_registration):
+    """Stand in for bitsandbytes' own MPS kernel (it registers one on a Mac): ours overrides it
+    without a warning and unregistering brings it back."""
+    bnb_mps.unregister()
+    assert not any(has_mps_kernel(n) for n in SCHEMAS_0_50)  # Linux: bitsandbytes has none
+
+    theirs = torch.library.Library("bitsandbytes", "IMPL")
+    calls = []
+    theirs.impl("quantize_4bit", lambda *a: calls.append("bitsandbytes") or (torch.zeros(1, 1), torch.zeros(1)), "MPS")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            bnb_mps.register()
+        ks = torch._C.DispatchKeySet(torch._C.DispatchKey.MPS)
+        A = torch.randn(64, 64)
+        packed, _ = torch.ops.bitsandbytes.quantize_4bit.default.redispatch(ks, A, 64, "nf4", torch.uint8)
+        assert calls == [] and packed.shape == (2048, 1)
+        bnb_mps.unregister()
+        torch.ops.bitsandbytes.quantize_4bit.default.redispatch(ks, A, 64, "nf4", torch.uint8)
+        assert calls == ["bitsandbytes"]
+    finally:
+        theirs._destroy()
+    assert not has_mps_kernel("quantize_4bit")
+
+
+def test_register_twice_is_a_no_op():
+    assert bnb_mps.register() == sorted(SCHEMAS_0_50) or set(bnb_mps.register()) == SCHEMAS_0_50
+
+
+def test_entry_point_failure_is_logged_once_and_leaves_bitsandbytes_alone(restore_registration, monkeypatch, caplog):
+    bnb_mps.unregister()
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(registration, "register", broken)
+    monkeypatch.setattr(bnb_mps, "_entry_failed", False)
+    with caplog.at_level("WARNING", logger="bnb_mps"):
+        bnb_mps._entry_point()
+        bnb_mps._entry_point()
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "boom" in caplog.records[0].getMessage()
+    assert not any(has_mps_kernel(n) for n in SCHEMAS_0_50)
+
+
+def test_failure_midway_registers_nothing(restore_registration, monkeypatch):
+    bnb_mps.unregister()
+    real = registration._make_kernel
+    made = []
+
+    def flaky(name, executor):
+        made.append(name)
+        if len(made) == 5:
+            raise RuntimeError("fifth fails")
+        return real(name, executor)
+
+    monkeypatch.setattr(registration, "_make_kernel", flaky)
+    bnb_mps._entry_point()
+    assert not any(has_mps_kernel(n) for n in SCHEMAS_0_50)
+
+
+def test_unknown_schema_is_left_to_bitsandbytes_and_reported():
+    lib = torch.library.Library("bitsandbytes", "FRAGMENT")
+    lib.define("bnb_mps_test_future_op(Tensor A) -> Tensor")
+    try:
+        assert "bnb_mps_test_future_op" in registration.unknown_schemas()
+        info = bnb_mps.backend_info()["bnb_mps_test_future_op"]
+        assert info["tier"] == "bitsandbytes" and "unknown" in info["reason"]
+        assert not has_mps_kernel("bnb_mps_test_future_op")
+    finally:
+        lib._destroy()
+
+
+def test_changed_schema_is_left_to_bitsandbytes(restore_registration, monkeypatch):
+    bnb_mps.unregister()
+    monkeypatch.setitem(registration.SCHEMAS, "gemv_4bit", ("A", "B", "shapeB", "absmax", "code", "blocksize", "new"))
+    bnb_mps.register()
+    assert not has_mps_kernel("gemv_4bit") and has_mps_kernel("gemm_4bit")
+    assert "changed" in registration.skipped()["gemv_4bit"]
+    assert bnb_mps.backend_info()["gemv_4bit"]["tier"] == "bitsandbytes"
+
+
+def test_backend_info_names_a_tier_and_reason_for_every_op(fresh_tier_selection):
+    info = bnb_mps.backend_info()
+    assert SCHEMAS_0_50 <= set(info)
+    for name in SCHEMAS_0_50:
+        assert info[name]["tier"] in executors.TIERS and info[name]["reason"]
+
+
+def test_forced_cpu_tier(fresh_tier_selection):
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "cpu")
+    sel = executors.selection()
+    assert sel.tier == "cpu" and sel.executor is None and "BNB_MPS_EXECUTOR" in sel.reason
+
+
+def test_invalid_tier_name_is_ignored_with_a_warning(fresh_tier_selection, caplog):
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "metal")
+    with caplog.at_level("WARNING", logger="bnb_mps"):
+        sel = executors.selection()
+    assert "metal" in caplog.text and "native, shader, emulated, cpu" in caplog.text
+    assert sel.tier in executors.TIERS
+
+
+def test_unavailable_forced_tier_falls_back_with_reason(fresh_tier_selection):
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "native")
+    sel = executors.selection()
+    assert sel.tier != "native" and "BNB_MPS_EXECUTOR=native unavailable" in sel.reason
+
+
+def test_slow_tier_message_once_per_process(fresh_tier_selection):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        executors.notify_slow_tier("quantize_4bit", "cpu", "native: not built")
+        executors.notify_slow_tier("gemv_4bit", "cpu", "native: not built")
+        executors.notify_slow_tier("gemv_4bit", "shader", "native: not built")
+    assert len(caught) == 1 and issubclass(caught[0].category, executors.SlowTierWarning)
+    msg = str(caught[0].message)
+    assert "cpu tier" in msg and "native: not built" in msg and "pip install --no-build-isolation" in msg
+
+
+def test_mps_calls_trigger_the_message_and_cpu_calls_do_not(fresh_tier_selection, monkeypatch):
+    """The message is for mps tensors (simulated: the op layer is told the device is mps)."""
+    from bnb_mps import ops as op_layer
+
+    code = torch.linspace(-1, 1, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.MPS), torch.randn(64), code, 64
+        )
+        assert not [w for w in caught if issubclass(w.category, executors.SlowTierWarning)]
+        monkeypatch.setattr(op_layer, "_device_type", lambda args: "mps")
+        for _ in range(2):
+            torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(
+                torch._C.DispatchKeySet(torch._C.DispatchKey.MPS), torch.randn(64), code, 64
+            )
+    slow = [w for w in caught if issubclass(w.category, executors.SlowTierWarning)]
+    assert len(slow) == 1 and "quantize_blockwise" in str(slow[0].message)
+
+
+def test_diagnostics_command():
+    proc = subprocess.run([sys.executable, "-m", "bnb_mps"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for needle in ("platform", "macOS", "torch", "bitsandbytes", "mps available", "native lib", "executor tier"):
+        assert needle in out
+    for name in SCHEMAS_0_50:
+        assert f"\n{name} " in out
