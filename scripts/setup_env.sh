@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything bnb-mps needs into the current Python environment, then bnb-mps itself
+# (editable). Used by scripts/test.sh and scripts/diagnose.sh; safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# torch first and pinned: an unpinned torch requirement pulls the CUDA build (several GB) on Linux.
+TORCH_VERSION=${BNB_MPS_TORCH_VERSION:-2.13.0}
+"$PY" -m pip install --quiet "torch==${TORCH_VERSION}"
+"$PY" -m pip install --quiet "bitsandbytes>=0.49" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
+
+# clang: the emulator tests also compile kernels with it, and it syntax-checks the Objective-C++
+# executor. Installed only where that is possible without asking (root with apt-get).
+if ! command -v clang++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null) \
+    || echo "setup_env: clang could not be installed; clang-only tests will be skipped" >&2
+fi
+
+# --no-build-isolation: the native (macOS) build compiles against the installed torch.
+"$PY" -m pip install --quiet --no-build-isolation -e ".[test]"
