@@ -9,8 +9,8 @@ using namespace metal;
 // On Metal this is an explicit instantiation carrying [[host_name]]; the Metal-on-CPU emulator
 // defines the same macro in its <metal_stdlib> to register the instantiation by name instead,
 // so its definition (seen first) wins.
-#ifndef BNB_INSTANTIATE_KERNEL
-#define BNB_INSTANTIATE_KERNEL(host, fn, ...) template [[host_name(host)]] [[kernel]] decltype(fn<__VA_ARGS__>) fn<__VA_ARGS__>;
+#ifndef BNB_KERNEL_INSTANTIATE
+#define BNB_KERNEL_INSTANTIATE(host, fn, ...) template [[host_name(host)]] [[kernel]] decltype(fn<__VA_ARGS__>) fn<__VA_ARGS__>;
 #endif
 
 // Index arithmetic is 32-bit: every kernel takes the element count as `constant uint&`, and the

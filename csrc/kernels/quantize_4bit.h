@@ -70,7 +70,7 @@ template <typename T, uint BLOCKSIZE, uint QUANT>
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
     constexpr uint PAIRS_PER_LANE = BNB_SG_ELEMS(BLOCKSIZE) / 64u;
-    threadgroup uint partial[BNB_SIMDS_PER_BLOCK(BLOCKSIZE)];
+    threadgroup uint partial[BNB_MAX_SIMDS_PER_BLOCK];
 
     const uint start = bnb_slice_start<BLOCKSIZE>(tg, sg);
     float v[2u * PAIRS_PER_LANE];

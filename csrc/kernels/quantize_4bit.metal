@@ -25,7 +25,7 @@
 #include "quantize_4bit.h"
 
 #define BNB_INSTANTIATE_QUANT4(qname, quant, tname, type, bs) \
-    BNB_INSTANTIATE_KERNEL("bnb_quantize_4bit_" #qname "_" #tname "_" #bs, bnb_quantize_4bit, type, bs, quant)
+    BNB_KERNEL_INSTANTIATE("bnb_quantize_4bit_" #qname "_" #tname "_" #bs, bnb_quantize_4bit, type, bs, quant)
 
 #define BNB_INSTANTIATE_QUANT4_ALL(qname, quant, tname, type) \
     BNB_INSTANTIATE_QUANT4(qname, quant, tname, type, 32)     \
@@ -36,7 +36,7 @@
     BNB_INSTANTIATE_QUANT4(qname, quant, tname, type, 1024)   \
     BNB_INSTANTIATE_QUANT4(qname, quant, tname, type, 2048)   \
     BNB_INSTANTIATE_QUANT4(qname, quant, tname, type, 4096)   \
-    BNB_INSTANTIATE_KERNEL("bnb_dequantize_4bit_" #qname "_" #tname, bnb_dequantize_4bit, type, quant)
+    BNB_KERNEL_INSTANTIATE("bnb_dequantize_4bit_" #qname "_" #tname, bnb_dequantize_4bit, type, quant)
 
 BNB_INSTANTIATE_QUANT4_ALL(nf4, BNB_NF4, f16, half)
 BNB_INSTANTIATE_QUANT4_ALL(nf4, BNB_NF4, bf16, bfloat)

@@ -45,7 +45,7 @@ template <typename T, uint BLOCKSIZE>
     uint sg [[simdgroup_index_in_threadgroup]]) {
     constexpr uint PER_LANE = BNB_SG_ELEMS(BLOCKSIZE) / 32u;
     threadgroup float thresholds[256];
-    threadgroup uint partial[BNB_SIMDS_PER_BLOCK(BLOCKSIZE)];
+    threadgroup uint partial[BNB_MAX_SIMDS_PER_BLOCK];
 
     bnb_load_thresholds(code, thresholds, tid, BNB_QUANT_THREADS(BLOCKSIZE));
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -24,7 +24,7 @@
 #include "quantize_8bit.h"
 
 #define BNB_INSTANTIATE_QUANT8(tname, type, bs) \
-    BNB_INSTANTIATE_KERNEL("bnb_quantize_blockwise_" #tname "_" #bs, bnb_quantize_blockwise, type, bs)
+    BNB_KERNEL_INSTANTIATE("bnb_quantize_blockwise_" #tname "_" #bs, bnb_quantize_blockwise, type, bs)
 
 #define BNB_INSTANTIATE_QUANT8_ALL(tname, type) \
     BNB_INSTANTIATE_QUANT8(tname, type, 64)     \
@@ -34,7 +34,7 @@
     BNB_INSTANTIATE_QUANT8(tname, type, 1024)   \
     BNB_INSTANTIATE_QUANT8(tname, type, 2048)   \
     BNB_INSTANTIATE_QUANT8(tname, type, 4096)   \
-    BNB_INSTANTIATE_KERNEL("bnb_dequantize_blockwise_" #tname, bnb_dequantize_blockwise, type)
+    BNB_KERNEL_INSTANTIATE("bnb_dequantize_blockwise_" #tname, bnb_dequantize_blockwise, type)
 
 BNB_INSTANTIATE_QUANT8_ALL(f16, half)
 BNB_INSTANTIATE_QUANT8_ALL(bf16, bfloat)

@@ -16,6 +16,9 @@
 #define BNB_SG_ELEMS(BLOCKSIZE) ((BLOCKSIZE) < 64u ? 64u : ((BLOCKSIZE) > 256u ? 256u : (BLOCKSIZE)))
 // Simdgroups that share one block (1 unless blocksize > 256).
 #define BNB_SIMDS_PER_BLOCK(BLOCKSIZE) ((BLOCKSIZE) > 256u ? (BLOCKSIZE) / 256u : 1u)
+// Slots for the per-simdgroup maxima (4096 / 256); a plain literal so that the array has the
+// same fixed size in every instantiation.
+#define BNB_MAX_SIMDS_PER_BLOCK 16
 // Independent simdgroups per threadgroup when a block fits one simdgroup.
 #define BNB_SLICES_PER_TG 4u
 // Threads per threadgroup a quantize kernel of this blocksize must be launched with.
