@@ -39,6 +39,7 @@ __all__ = [
     "is_mps_available",
     "is_out_of_memory",
     "memory_stats",
+    "mps_bf16_support",
     "training_config",
 ]
 
@@ -367,12 +368,12 @@ def check_mps_limitations(
     (warnings at WARNING, the rest at INFO). A device that is not MPS has none of these
     caveats and gets an empty list.
     """
-    dev = _parse_device(device, "device")
+    dev = _as_device(device)
     if isinstance(dtype, str):
         dtype = get_dtype_from_string(dtype)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype or a name such as 'bf16', got {type(dtype).__name__}")
-    if dev is None or dev.type != "mps":
+    if dev.type != "mps":
         return []
 
     tv = _torch_version()
