@@ -71,6 +71,9 @@ def flags(path: str, race_check: bool) -> list[str]:
         "-fvisibility=hidden", "-fvisibility-inlines-hidden",
         "-fno-fast-math", "-ffp-contract=off", "-fno-strict-aliasing",
         "-Werror=vla", "-Wno-attributes",
+        # Probe every page of a large stack frame, so that overflowing a fiber stack hits its
+        # guard page instead of another simulated thread's stack.
+        "-fstack-clash-protection",
     ]
     if is_clang(path):
         f += ["-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-duplicate-decl-specifier",

@@ -98,12 +98,14 @@ def _addr2line(path: str, offset: int) -> str | None:
         out = subprocess.run([tool, "-e", path, "-i", hex(offset)], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    lines = [ln for ln in out.splitlines() if ln and not ln.startswith("??")]
-    # With inlining, the last line is the outermost frame (the kernel's own line).
-    for ln in reversed(lines):
-        loc = ln.split(" (discriminator")[0]
-        if ".metal:" in loc or not loc.endswith(":0"):
-            return loc.rsplit("/", 1)[-1]
+    # Innermost frame first (inlined code): the first line in kernel source, not in the shim.
+    for ln in out.splitlines():
+        loc = ln.split(" (discriminator")[0].strip()
+        if not loc or loc.startswith("??") or loc.endswith(":0") or loc.endswith(":?"):
+            continue
+        if "bnb_emu/" in loc or "<emulator registrations>" in loc or "/include/" in loc:
+            continue
+        return loc.rsplit("/", 1)[-1]
     return None
 
 

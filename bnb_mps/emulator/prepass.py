@@ -209,7 +209,7 @@ def translate(source: str, name: str = "kernel.metal") -> Translation:
     text = _rewrite_half_literals(text)
     if not text.lstrip().startswith("#line"):
         text = f'#line 1 "{name}"\n' + text
-    tail = ["", "// Registered by the emulator pre-pass."]
+    tail = ["", '#line 1 "<emulator registrations>"']
     for k in dict.fromkeys(kernels):
         tail.append(f"BNB_EMU_REGISTER_KERNEL({k})")
     for host, call in instances:

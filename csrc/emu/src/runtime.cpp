@@ -684,14 +684,17 @@ bool Worker::run_group(uint64_t linear) {
     p.threads_per_simdgroup = kSimdWidth;
     p.simdgroups_per_threadgroup = nsg;
     p.lanes_in_simdgroup = std::min(kSimdWidth, nlanes - (i / kSimdWidth) * kSimdWidth);
-    context_init(&l.ctx, l.stack->lo, l.stack->size, fiber_main, &l);
+    // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
+    // unstaggered tops would all compete for the same few cache sets.
+    context_init(&l.ctx, l.stack->lo, l.stack->size - (i % 61) * 64, fiber_main, &l);
+  }
+  if (q.race_check) {
+    race.init();
+    race.clear(kMaxThreadgroupMemory);
+    std::fill_n(race.sg_epoch, nsg, 0u);
   }
   arena_used = 0;
   sites.clear();
-  if (q.race_check) {
-    race.init();
-    std::fill_n(race.sg_epoch, nsg, 0u);
-  }
   order.resize(nlanes);
   for (uint32_t i = 0; i < nlanes; ++i) order[i] = q.order == LaneOrder::Reverse ? nlanes - 1 - i : i;
   rng = q.seed * 0x2545F4914F6CDD1Dull + linear;
