@@ -321,6 +321,11 @@ def _backend_tiers() -> tuple:
         from bnb_mps import backend_info  # lazy: may load bitsandbytes and the executors
 
         info = backend_info()
+        if not info:
+            # bitsandbytes defines its ops when imported; until then there is nothing to report.
+            import bitsandbytes  # noqa: F401
+
+            info = backend_info()
         return {op: (str(d.get("tier", "cpu")), str(d.get("reason", ""))) for op, d in info.items()}, None
     except Exception as exc:
         return {}, f"bnb_mps backend info is unavailable ({type(exc).__name__}: {exc})"

@@ -379,6 +379,16 @@ def test_bitsandbytes_info_unavailable(monkeypatch, how):
     assert "unavailable" in found.message and "CPU fallback" in found.message
 
 
+def test_bitsandbytes_is_imported_when_no_op_is_known_yet(monkeypatch):
+    # backend_info() lists bitsandbytes' ops, which exist once bitsandbytes is imported.
+    fake_bnb = types.ModuleType("bitsandbytes")
+    answers = iter([{}, {"gemv_4bit": {"tier": "shader", "reason": "torch.mps.compile_shader"}}])
+    monkeypatch.setattr(bnb_mps, "backend_info", lambda: next(answers), raising=False)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake_bnb)
+    found = topics(dev.check_mps_limitations("mps", "fp32"))["bitsandbytes"]
+    assert found.level == "info" and "all 1" in found.message
+
+
 def test_findings_are_logged_only_with_a_logger(caplog):
     log = logging.getLogger("test_device.findings")
     with caplog.at_level(logging.INFO):
