@@ -39,6 +39,10 @@ def unregister() -> None:
 def backend_info() -> dict[str, dict[str, str]]:
     """For each bitsandbytes op: which tier serves it on `mps` ("native", "shader", "emulated",
     "cpu", or "bitsandbytes" where bnb_mps left it alone) and why."""
+    import torch
+
+    if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
+        import bitsandbytes  # noqa: F401  (defines the schemas and registers bnb_mps)
     from . import executors, ops, registration
 
     mine = set(registration.registered("MPS"))

@@ -125,6 +125,10 @@ def registered(dispatch_key: str = "MPS") -> list[str]:
     return list(_names.get(dispatch_key, ()))
 
 
+def registered_keys() -> list[str]:
+    return list(_libraries)
+
+
 def skipped() -> dict[str, str]:
     """Known ops left to bitsandbytes, with the reason."""
     return dict(_skipped)

@@ -1,0 +1,57 @@
+"""Test helpers: run bitsandbytes' own Python API on CPU tensors through bnb_mps' kernel code.
+
+    with bnb_mps.testing.use_emulated_kernels() as kernels:
+        q, state = bitsandbytes.functional.quantize_4bit(torch.randn(64, 64))
+    assert kernels.launched  # the Metal kernels ran, under the emulator
+
+The emulated tier is registered for the `cpu` dispatch key (ops that have a Metal kernel only),
+and bitsandbytes' own CPU kernels are restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Optional
+
+from .executors.base import Dim3, Executor, KernelArg
+
+
+class RecordingExecutor:
+    """Forwards launches to `inner` (if any) and records them: (kernel, grid, threadgroup, args)."""
+
+    def __init__(self, inner: Optional[Executor] = None, name: str = "recording"):
+        self.inner = inner
+        self.name = inner.name if inner is not None else name
+        self.launches: list[tuple[str, Dim3, Dim3, Sequence[KernelArg]]] = []
+
+    @property
+    def launched(self) -> list[str]:
+        return [k for k, *_ in self.launches]
+
+    def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
+        self.launches.append((kernel, tuple(grid), tuple(threadgroup), list(args)))
+        if self.inner is not None:
+            self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+
+@contextlib.contextmanager
+def use_emulated_kernels(**settings) -> Iterator[RecordingExecutor]:
+    """Serve bitsandbytes ops on CPU tensors with bnb_mps' Metal kernels under the emulator.
+
+    `settings` (order, race_check, poison, seed) go to the emulated executor for the duration.
+    Yields a RecordingExecutor whose `launched` lists the kernels that ran. Not re-entrant.
+    """
+    from . import ops, registration
+    from .executors import emulated, load_tier
+
+    names = [name for name, op in ops.OPS.items() if op.kernel is not None]
+    recorder = RecordingExecutor(load_tier("emulated"))
+    with emulated.settings(**settings) if settings else contextlib.nullcontext():
+        if "CPU" in registration.registered_keys():
+            raise RuntimeError("use_emulated_kernels() is already active")
+        registration.register("CPU", executor=recorder, names=names)
+        try:
+            yield recorder
+        finally:
+            registration.unregister("CPU")
