@@ -22,11 +22,12 @@ from .errors import (
     StackOverflow,
     UnboundBuffer,
 )
+from .harness import NondeterministicOutput, run_checked
 from .library import Library, load
 from .prepass import PrepassError, translate
 
 __all__ = [
     "BarrierDivergence", "CompileError", "DivergentCollective", "EmulatorError", "KernelError", "LimitExceeded",
-    "Library", "MemoryFault", "OutOfBounds", "PrepassError", "RaceDetected", "StackOverflow", "UnboundBuffer",
-    "find_compiler", "load", "translate",
+    "Library", "MemoryFault", "NondeterministicOutput", "OutOfBounds", "PrepassError", "RaceDetected", "StackOverflow", "UnboundBuffer",
+    "find_compiler", "load", "run_checked", "translate",
 ]

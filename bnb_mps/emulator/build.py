@@ -1,6 +1,6 @@
 """Compiling translated kernel source into a kernel module (a shared object), with a disk cache.
 
-The compiler is BNB_MPS_EMU_CXX, else the `compiler` argument, else c++ / g++ / clang++ from
+The compiler is the `compiler` argument, else BNB_MPS_EMU_CXX, else c++ / g++ / clang++ from
 PATH. Kernels are built as C++17 with -O2, IEEE float (no fast-math, no FMA contraction) so that
 results are reproducible, and -Werror=vla. BNB_MPS_EMU_CXXFLAGS adds flags (the sanitizer script
 uses it). Modules are cached under $BNB_MPS_CACHE_DIR/emu (default ~/.cache/bnb_mps/emu), keyed
@@ -42,8 +42,8 @@ def cache_dir() -> Path:
 
 
 def find_compiler(compiler: str | None = None) -> str:
-    """Path of the C++ compiler to use (BNB_MPS_EMU_CXX wins over the argument)."""
-    wanted = os.environ.get("BNB_MPS_EMU_CXX") or compiler
+    """Path of the C++ compiler to use: `compiler`, else BNB_MPS_EMU_CXX, else c++/g++/clang++."""
+    wanted = compiler or os.environ.get("BNB_MPS_EMU_CXX")
     candidates = [wanted] if wanted else ["c++", "g++", "clang++"]
     for c in candidates:
         path = shutil.which(c)

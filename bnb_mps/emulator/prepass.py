@@ -118,8 +118,10 @@ def _rewrite_threadgroup_decls(text: str, name: str) -> str:
         if end < 0:
             continue
         body = text[m.end() : end]
-        # An address-space qualifier (pointer, reference, parameter), not a declaration.
-        if any(ch in body for ch in "()*&={}") or not body.strip():
+        # An address-space qualifier (pointer, reference, parameter), not a declaration. Array
+        # bounds may hold any constant expression: look outside the brackets only.
+        outside = re.sub(r"\[[^\]]*\]", "[]", body)
+        if any(ch in outside for ch in "()*&={}") or not body.strip():
             continue
         prev = text[:start].rstrip()
         if prev and prev[-1] not in ";{}" and not prev.endswith(":"):

@@ -88,7 +88,6 @@ struct tg_array {
   }
   operator E*() { return data; }
   operator const E*() const { return data; }
-  operator volatile E*() { return data; }
 };
 template <class T>
 using tg_type = typename tg_wrap<T>::type;

@@ -297,7 +297,7 @@ namespace emu {
 struct matrix_access {
   const volatile void* ptr;
   ulong stride, col, row;
-  bool transpose;
+  ulong transpose;  // not bool: no padding bytes, the lanes' operands are compared bytewise
 };
 template <class T>
 struct identity {
@@ -315,7 +315,7 @@ template <class T, int C, int R>
 inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const volatile typename emu::identity<T>::type* src,
                            ulong elements_per_row = C, vec<ulong, 2> origin = vec<ulong, 2>(0),
                            bool transpose = false, BNB_EMU_SITE) {
-  emu::check_uniform("simdgroup_load", emu::matrix_access{src, elements_per_row, origin.x, origin.y, transpose},
+  emu::check_uniform("simdgroup_load", emu::matrix_access{src, elements_per_row, origin.x, origin.y, ulong(transpose)},
                      file, line);
   const T* base = const_cast<const T*>(src) + origin.y * elements_per_row + origin.x;
   for (int i = 0; i < R; ++i)
@@ -329,7 +329,7 @@ template <class T, int C, int R>
 inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, volatile typename emu::identity<T>::type* dst,
                             ulong elements_per_row = C, vec<ulong, 2> origin = vec<ulong, 2>(0),
                             bool transpose = false, BNB_EMU_SITE) {
-  emu::check_uniform("simdgroup_store", emu::matrix_access{dst, elements_per_row, origin.x, origin.y, transpose},
+  emu::check_uniform("simdgroup_store", emu::matrix_access{dst, elements_per_row, origin.x, origin.y, ulong(transpose)},
                      file, line);
   T* base = const_cast<T*>(dst) + origin.y * elements_per_row + origin.x;
   for (int i = 0; i < R; ++i)

@@ -274,7 +274,8 @@ struct vec : vec_storage<T, N> {
     (put(k, rest), ...);
   }
   // Conversions between element types are explicit in MSL: float4(h4).
-  template <class V, std::enable_if_t<is_vec<V> && vec_info<V>::n == N && !std::is_same<V, vec>::value, int> = 0>
+  template <class V, std::enable_if_t<is_vec<V> && vec_info<V>::n == N &&
+                                          !std::is_same<typename vec_info<V>::elem, T>::value, int> = 0>
   explicit vec(const V& v) : vec_storage<T, N>{} {
     vec_of<V> t(v);
     for (int i = 0; i < N; ++i) d[i] = T(t.d[i]);
@@ -372,6 +373,20 @@ struct packed_vec<T, 3> {
 
 // --- Operators on vectors (and vector-scalar mixes) ------------------------------------------
 
+template <class A, class B>
+constexpr bool same_width() {
+  if constexpr (is_vec<A> && is_vec<B>)
+    return vec_info<A>::n == vec_info<B>::n;
+  else
+    return true;
+}
+template <class A, class B>
+constexpr bool same_elem() {
+  if constexpr (is_vec<A> && is_vec<B>)
+    return std::is_same<typename vec_info<A>::elem, typename vec_info<B>::elem>::value;
+  else
+    return true;
+}
 template <class A, class B, bool = (is_vec<A> || is_vec<B>)>
 struct binary_vec {};
 template <class A, class B>
@@ -379,9 +394,8 @@ struct binary_vec<A, B, true> {
   static constexpr bool va = is_vec<A>, vb = is_vec<B>;
   using elem = typename vec_info<std::conditional_t<va, A, B>>::elem;
   static constexpr int n = vec_info<std::conditional_t<va, A, B>>::n;
-  static_assert(!(va && vb) || (vec_info<A>::n == vec_info<B>::n), "vector operands must have the same width");
-  static_assert(!(va && vb) || std::is_same<typename vec_info<A>::elem, typename vec_info<B>::elem>::value,
-                "vector operands must have the same element type (convert explicitly)");
+  static_assert(same_width<A, B>(), "vector operands must have the same width");
+  static_assert(same_elem<A, B>(), "vector operands must have the same element type (convert explicitly)");
   using type = vec<elem, n>;
   using mask = vec<bool, n>;
 };
