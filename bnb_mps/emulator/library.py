@@ -176,10 +176,10 @@ class Library:
         buffers = _marshal(args)
         mod = self._module(bool(race_check))
         if kernel not in mod.kernels:
-            raise errors.KernelError(
-                f"kernel '{kernel}' is not in {self.name} (kernels: {', '.join(sorted(mod.kernels)) or 'none'})",
-                kernel=kernel,
-            )
+            names = sorted(mod.kernels)
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            raise errors.KernelError(f"kernel '{kernel}' is not in {self.name} (kernels: {shown or 'none'})",
+                                     kernel=kernel)
         if 0 in groups:
             return
         res = _runtime().launch(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order], seed,

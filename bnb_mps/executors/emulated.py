@@ -1,0 +1,91 @@
+"""The `emulated` executor: the project's kernels (bnb_mps.kernel_source) run by the Metal-on-CPU
+emulator (bnb_mps.emulator). Used by the tests on every OS; selectable for debugging with
+BNB_MPS_EXECUTOR=emulated. Tensors must be CPU tensors (the op layer's CPU-key path).
+
+Detection settings apply to every launch of the process-wide executor; tests change them with
+
+    with bnb_mps.executors.emulated.settings(order="reverse", race_check=True, poison=0x00):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+
+from .base import Dim3, ExecutorUnavailable, KernelArg
+
+
+class EmulatedExecutor:
+    name = "emulated"
+
+    def __init__(self) -> None:
+        self.order = "forward"
+        self.race_check = False
+        self.poison = 0xFF
+        self.seed = 0
+        self._library = None
+        self._error: Exception | None = None
+        self._lock = threading.Lock()
+
+    def _load(self):
+        """Compiles the kernel source once per process (a missing source is reported at launch)."""
+        from .. import emulator, kernel_source
+
+        with self._lock:
+            if self._library is None and self._error is None:
+                try:
+                    self._library = emulator.Library(kernel_source.source(), name="bnb_mps kernels")
+                except FileNotFoundError as e:
+                    self._error = emulator.KernelError(f"no kernel source to run: {e}")
+            if self._error is not None:
+                raise self._error
+            return self._library
+
+    def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
+        self._load().launch(kernel, grid=tuple(grid), threadgroup=tuple(threadgroup), args=args, order=self.order,
+                            race_check=self.race_check, poison=self.poison, seed=self.seed)
+
+
+_executor: EmulatedExecutor | None = None
+_lock = threading.Lock()
+
+
+def load() -> EmulatedExecutor:
+    """The process-wide emulated executor (its kernels compile on first use)."""
+    global _executor
+    try:
+        from .. import _emu  # noqa: F401
+    except ImportError as e:
+        raise ExecutorUnavailable(
+            f"the emulator runtime is not built ({e}); run `pip install --no-build-isolation -e .`"
+        ) from None
+    with _lock:
+        if _executor is None:
+            _executor = EmulatedExecutor()
+        return _executor
+
+
+@contextlib.contextmanager
+def settings(*, order: str | None = None, race_check: bool | None = None, poison: int | None = None,
+             seed: int | None = None) -> Iterator[EmulatedExecutor]:
+    """Temporarily changes the detection settings of the process-wide executor."""
+    if order is not None and order not in ("forward", "reverse", "random"):
+        raise ValueError(f"order must be 'forward', 'reverse' or 'random', got {order!r}")
+    if poison is not None and not (isinstance(poison, int) and 0 <= poison <= 255):
+        raise ValueError(f"poison must be a byte value 0..255, got {poison!r}")
+    ex = load()
+    saved = (ex.order, ex.race_check, ex.poison, ex.seed)
+    if order is not None:
+        ex.order = order
+    if race_check is not None:
+        ex.race_check = bool(race_check)
+    if poison is not None:
+        ex.poison = poison
+    if seed is not None:
+        ex.seed = int(seed)
+    try:
+        yield ex
+    finally:
+        ex.order, ex.race_check, ex.poison, ex.seed = saved
