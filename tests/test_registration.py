@@ -256,3 +256,25 @@ def test_diagnostics_command():
         assert needle in out
     for name in SCHEMAS_0_50:
         assert f"\n{name} " in out
+
+
+def test_forced_emulated_tier_serves_kernels_and_stages_other_devices(fresh_tier_selection):
+    pytest.importorskip("bnb_mps._emu")
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "emulated")
+    assert executors.selection().tier == "emulated"
+    assert executors.executor_for(True, "cpu").name == "emulated"
+    assert isinstance(executors.executor_for(True, "mps"), executors.StagedExecutor)
+    assert executors.executor_for(False, "mps") is None  # no kernel: CPU fallback
+
+    # Staging: tensors go to the host for the launch and every one comes back (the device is
+    # simulated: "to host" is a copy here).
+    class Writer:
+        name = "emulated"
+
+        def launch(self, kernel, *, grid, threadgroup, args):
+            args[1].copy_(args[0] * 2)
+
+    src, dst = torch.arange(4.0), torch.zeros(4)
+    staged = executors.StagedExecutor(Writer(), to_host=lambda t: t.clone())
+    staged.launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[src, dst])
+    assert torch.equal(dst, torch.arange(4.0) * 2)

@@ -117,14 +117,34 @@ def load_errors() -> dict[str, str]:
     return dict(_load_errors)
 
 
+class StagedExecutor:
+    """Runs a CPU executor (the emulator) on tensors of another device: every tensor argument is
+    copied to the CPU, the kernel runs, and every tensor argument is copied back (which of them
+    the kernel wrote is not the executor's knowledge). For debugging only: it synchronises."""
+
+    def __init__(self, inner: Executor, to_host=None):
+        self.inner = inner
+        self.name = inner.name
+        self._to_host = to_host or (lambda t: t.cpu())
+
+    def launch(self, kernel, *, grid, threadgroup, args) -> None:
+        import torch
+
+        staged = [self._to_host(a) if isinstance(a, torch.Tensor) else a for a in args]
+        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=staged)
+        for a, s in zip(args, staged):
+            if isinstance(a, torch.Tensor) and s is not a:
+                a.copy_(s)
+
+
 def executor_for(has_kernel: bool, device_type: str) -> Optional[Executor]:
     """The executor that runs an op's kernel on tensors of `device_type`, or None for the CPU fallback."""
     sel = selection()
     if not has_kernel or sel.executor is None:
         return None
-    if sel.tier in GPU_TIERS and device_type != "mps":
-        return None
-    return sel.executor
+    if sel.tier in GPU_TIERS:
+        return sel.executor if device_type == "mps" else None
+    return sel.executor if device_type == "cpu" else StagedExecutor(sel.executor)
 
 
 def describe(has_kernel: bool) -> tuple[str, str]:
