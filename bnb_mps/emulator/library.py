@@ -14,6 +14,8 @@ Arguments bind to `[[buffer(0)]]`, `[[buffer(1)]]`, ... in order:
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 import shutil
 import subprocess
 import threading
@@ -30,6 +32,14 @@ Dims = Union[int, Sequence[int]]
 
 @functools.lru_cache(maxsize=1)
 def _runtime():
+    override = os.environ.get("BNB_MPS_EMU_MODULE")  # another build of the runtime (sanitizers)
+    if override:
+        spec = importlib.util.spec_from_file_location("bnb_mps._emu", override)
+        if spec is None or spec.loader is None:
+            raise errors.KernelError(f"BNB_MPS_EMU_MODULE={override} is not a Python extension module")
+        _emu = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_emu)
+        return _emu
     try:
         from .. import _emu
     except ImportError as e:

@@ -55,12 +55,13 @@ _lock = threading.Lock()
 def load() -> EmulatedExecutor:
     """The process-wide emulated executor (its kernels compile on first use)."""
     global _executor
+    from ..emulator import EmulatorError
+    from ..emulator.library import _runtime
+
     try:
-        from .. import _emu  # noqa: F401
-    except ImportError as e:
-        raise ExecutorUnavailable(
-            f"the emulator runtime is not built ({e}); run `pip install --no-build-isolation -e .`"
-        ) from None
+        _runtime()
+    except EmulatorError as e:
+        raise ExecutorUnavailable(str(e)) from None
     with _lock:
         if _executor is None:
             _executor = EmulatedExecutor()

@@ -5,11 +5,11 @@
 
 #if defined(__APPLE__)
 #define BNB_EMU_SYM(name) "_" #name
-#define BNB_EMU_FUNC_BEGIN(name) ".globl _" #name "\n.p2align 4\n_" #name ":\n"
+#define BNB_EMU_FUNC_BEGIN(name) ".globl _" #name "\n.private_extern _" #name "\n.p2align 4\n_" #name ":\n"
 #define BNB_EMU_FUNC_END(name)
 #else
 #define BNB_EMU_SYM(name) #name
-#define BNB_EMU_FUNC_BEGIN(name) ".globl " #name "\n.type " #name ",@function\n.p2align 4\n" #name ":\n"
+#define BNB_EMU_FUNC_BEGIN(name) ".globl " #name "\n.hidden " #name "\n.type " #name ",@function\n.p2align 4\n" #name ":\n"
 #define BNB_EMU_FUNC_END(name) ".size " #name ", .-" #name "\n"
 #endif
 

@@ -34,6 +34,7 @@
 #define BNB_EMU_ASAN 0
 #endif
 #if BNB_EMU_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -686,6 +687,10 @@ bool Worker::run_group(uint64_t linear) {
     p.lanes_in_simdgroup = std::min(kSimdWidth, nlanes - (i / kSimdWidth) * kSimdWidth);
     // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
     // unstaggered tops would all compete for the same few cache sets.
+#if BNB_EMU_ASAN
+    // Frames of fibers that never returned (finished or abandoned) leave poisoned redzones.
+    __asan_unpoison_memory_region(l.stack->lo, l.stack->size);
+#endif
     context_init(&l.ctx, l.stack->lo, l.stack->size - (i % 61) * 64, fiber_main, &l);
   }
   if (q.race_check) {
