@@ -10,10 +10,12 @@ TORCH_VERSION=${BNB_MPS_TORCH_VERSION:-2.13.0}
 "$PY" -m pip install --quiet "torch==${TORCH_VERSION}"
 "$PY" -m pip install --quiet "bitsandbytes>=0.49" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
 
-# clang: the emulator tests also compile kernels with it, and it syntax-checks the Objective-C++
-# executor. Installed only where that is possible without asking (root with apt-get).
-if ! command -v clang++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null) \
+# clang: the emulator tests also compile kernels with clang++-16 (the first Debian clang with
+# _Float16 on x86-64), and clang++ syntax-checks the Objective-C++ executor. Installed only where
+# that is possible without asking (root with apt-get); otherwise those tests are skipped.
+if { ! command -v clang++ || ! command -v clang++-16; } >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang clang-16 >/dev/null) \
     || echo "setup_env: clang could not be installed; clang-only tests will be skipped" >&2
 fi
 
