@@ -20,4 +20,4 @@ if { ! command -v clang++ || ! command -v clang++-16; } >/dev/null 2>&1 \
 fi
 
 # --no-build-isolation: the native (macOS) build compiles against the installed torch.
-"$PY" -m pip install --quiet --no-build-isolation -e ".[test]"
+"$PY" -m pip install --quiet --no-build-isolation -e ".[test,e2e]"
