@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .msl_text import split_top_level, strip_comments_and_strings
+
 ADDRESS_SPACES = (
     "device",
     "constant",
@@ -78,49 +80,6 @@ class Finding:
         return f"{self.path}:{self.line}: [{self.rule}] {self.message}"
 
 
-def strip_comments_and_strings(text: str) -> tuple[str, str]:
-    """Returns (code without comments, code without comments and string/char literal contents).
-
-    Removed characters become spaces and newlines are kept, so offsets and line numbers of the
-    result are those of the input. String delimiters are kept (`""`) so a literal stays a token.
-    """
-    no_comments: list[str] = []
-    no_strings: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        nxt = text[i + 1] if i + 1 < n else ""
-        if c == "/" and nxt == "/":
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            blank = " " * (j - i)
-            no_comments.append(blank)
-            no_strings.append(blank)
-            i = j
-        elif c == "/" and nxt == "*":
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            blank = "".join(ch if ch == "\n" else " " for ch in text[i:j])
-            no_comments.append(blank)
-            no_strings.append(blank)
-            i = j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            j = min(j + 1, n)
-            literal = text[i:j]
-            no_comments.append(literal)
-            inner = "".join(ch if ch == "\n" else " " for ch in literal[1:-1])
-            no_strings.append(c + inner + (literal[-1] if len(literal) > 1 else ""))
-            i = j
-        else:
-            no_comments.append(c)
-            no_strings.append(c)
-            i += 1
-    return "".join(no_comments), "".join(no_strings)
-
-
 def _match_bracket(code: str, start: int) -> int:
     """Index just past the bracket that closes the one at `start` (or len(code))."""
     pairs = {"(": ")", "[": "]", "{": "}"}
@@ -136,22 +95,6 @@ def _match_bracket(code: str, start: int) -> int:
             if depth == 0:
                 return k + 1
     return len(code)
-
-
-def _split_top_level(text: str, sep: str = ",") -> list[str]:
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            depth = max(0, depth - 1)
-        if ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return parts
 
 
 def _remove_attributes(text: str) -> str:
@@ -323,8 +266,8 @@ class _Linter:
         for f in functions:
             params = code[f.params_start + 1 : f.params_end - 1]
             offset = f.params_start + 1
-            for param in _split_top_level(params):
-                declared = _split_top_level(param, "=")[0]
+            for param in split_top_level(params):
+                declared = split_top_level(param, "=")[0]
                 if re.search(r"[*&]", declared) and not _ADDRESS_SPACE.search(declared):
                     pos = offset + (len(param) - len(param.lstrip()))
                     self.report(pos, "address-space", f"parameter `{' '.join(declared.split())}` of `{f.name}` is a pointer/reference without an address space")
@@ -412,8 +355,8 @@ def _compile_time_names_in(code: str) -> set[str]:
         while end < len(code) and depth:
             depth += {"<": 1, ">": -1}.get(code[end], 0)
             end += 1
-        for param in _split_top_level(code[m.end() : end - 1]):
-            words = re.findall(r"[A-Za-z_]\w*", _split_top_level(param, "=")[0])
+        for param in split_top_level(code[m.end() : end - 1]):
+            words = re.findall(r"[A-Za-z_]\w*", split_top_level(param, "=")[0])
             if len(words) >= 2 and words[0] not in ("typename", "class"):
                 names.add(words[-1])
     return names

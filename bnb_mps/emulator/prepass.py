@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..msl_text import split_top_level, strip_comments
+
 
 class PrepassError(ValueError):
     """The source uses a construct the emulator cannot translate; the message names the line."""
@@ -26,34 +28,6 @@ class Translation:
     cpp: str
     kernels: list[str] = field(default_factory=list)  # plain kernels, in source order
     instances: list[str] = field(default_factory=list)  # host names of template instantiations
-
-
-def strip_comments(text: str) -> str:
-    """Comments -> spaces (newlines kept); string and character literals untouched."""
-    out: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == "/" and i + 1 < n and text[i + 1] == "/":
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif c == "/" and i + 1 < n and text[i + 1] == "*":
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
-            i = j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i : j + 1])
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
 
 
 def _line_of(text: str, pos: int) -> int:
@@ -71,22 +45,6 @@ def _rewrite_half_literals(text: str) -> str:
         return f"((half)({num}))"
 
     return _HALF_LITERAL.sub(repl, text)
-
-
-def _split_top(s: str, sep: str = ",") -> list[str]:
-    parts, depth, cur = [], 0, []
-    for ch in s:
-        if ch in "<[(":
-            depth += 1
-        elif ch in ">])":
-            depth -= 1
-        if ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return parts
 
 
 _DECLARATOR = re.compile(r"^\s*(?P<type>.*?)\s*\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\]]*\]\s*)*)$", re.S)
@@ -131,7 +89,7 @@ def _rewrite_threadgroup_decls(text: str, name: str) -> str:
         line = _line_of(text, start)
         if depth[start] == 0:
             raise PrepassError(f"{name}:{line}: threadgroup variables must be declared inside a kernel")
-        parts = _split_top(body)
+        parts = split_top_level(body)
         first = _DECLARATOR.match(parts[0])
         if not first or not first.group("type"):
             raise PrepassError(f"{name}:{line}: cannot parse the threadgroup declaration {body.strip()!r}")
