@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 from bitsandbytes.functional import create_dynamic_map, get_4bit_type

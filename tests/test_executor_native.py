@@ -22,6 +22,7 @@ from bnb_mps import kernel_source
 from bnb_mps.executors import _embed_kernels, native
 from bnb_mps.executors.base import ExecutorUnavailable
 from bnb_mps.kernel_args import Scalar, float16, float32, int64, uint32
+from geometry_kernel import GEOMETRY_KERNEL, GEOMETRY_SCALARS, expected_geometry_output
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_NATIVE = importlib.util.find_spec("bnb_mps._native") is not None
@@ -247,31 +248,6 @@ def test_native_source_passes_the_syntax_check():
 
 # --- on a Mac ------------------------------------------------------------------------------------
 
-# Every thread writes its global linear index and the scalars it received.
-GEOMETRY_KERNEL = r"""
-#include <metal_stdlib>
-using namespace metal;
-
-kernel void bnb_test_geometry(device uint* out [[buffer(0)]],
-                              constant uint& a [[buffer(1)]],
-                              constant half& h [[buffer(2)]],
-                              constant long& l [[buffer(3)]],
-                              constant uchar& c [[buffer(4)]],
-                              uint3 group [[threadgroup_position_in_grid]],
-                              uint3 groups [[threadgroups_per_grid]],
-                              uint3 lane [[thread_position_in_threadgroup]],
-                              uint3 size [[threads_per_threadgroup]]) {
-    uint3 pos = group * size + lane;
-    uint3 extent = groups * size;
-    uint i = (pos.z * extent.y + pos.y) * extent.x + pos.x;
-    out[5 * i + 0] = i;
-    out[5 * i + 1] = a;
-    out[5 * i + 2] = as_type<ushort>(h);
-    out[5 * i + 3] = uint(l + 4000000000L);
-    out[5 * i + 4] = c;
-}
-"""
-
 
 @pytest.mark.mps
 @requires_native_mps
@@ -285,11 +261,10 @@ def test_geometry_scalars_and_offsets_on_the_gpu():
         "bnb_test_geometry",
         grid=(3, 2, 2),
         threadgroup=(4, 2, 1),
-        args=[storage[7:], uint32(4000000000), float16(-1.5), int64(-1), Scalar(200, "uchar")],
+        args=[storage[7:], *GEOMETRY_SCALARS],
     )
     got = storage.cpu().to(torch.int64) & 0xFFFFFFFF
-    half_bits = 0xBE00  # -1.5 as IEEE half
-    expected = torch.tensor([[i, 4000000000, half_bits, 3999999999, 200] for i in range(n)]).flatten()
+    expected = expected_geometry_output(n)
     assert torch.equal(got[:7], torch.full((7,), 0xFFFFFFFF, dtype=torch.int64))
     assert torch.equal(got[7:], expected)
 

@@ -20,6 +20,7 @@ from bnb_mps import kernel_source
 from bnb_mps.executors import shader
 from bnb_mps.executors.base import ExecutorUnavailable
 from bnb_mps.kernel_args import Scalar, bool_, float16, float32, int32, int64, uint32, uint64
+from geometry_kernel import GEOMETRY_KERNEL, GEOMETRY_SCALARS, expected_geometry_output
 
 requires_mps = pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an mps device")
 
@@ -266,38 +267,6 @@ def test_missing_kernel_sources_become_unavailable(monkeypatch):
 
 # --- on a Mac ------------------------------------------------------------------------------------
 
-# Every thread writes its global linear index and the four scalars it received.
-GEOMETRY_KERNEL = r"""
-#include <metal_stdlib>
-using namespace metal;
-
-kernel void bnb_test_geometry(device uint* out [[buffer(0)]],
-                              constant uint& a [[buffer(1)]],
-                              constant half& h [[buffer(2)]],
-                              constant long& l [[buffer(3)]],
-                              constant uchar& c [[buffer(4)]],
-                              uint3 group [[threadgroup_position_in_grid]],
-                              uint3 groups [[threadgroups_per_grid]],
-                              uint3 lane [[thread_position_in_threadgroup]],
-                              uint3 size [[threads_per_threadgroup]]) {
-    uint3 pos = group * size + lane;
-    uint3 extent = groups * size;
-    uint i = (pos.z * extent.y + pos.y) * extent.x + pos.x;
-    out[5 * i + 0] = i;
-    out[5 * i + 1] = a;
-    out[5 * i + 2] = as_type<ushort>(h);
-    out[5 * i + 3] = uint(l + 4000000000L);
-    out[5 * i + 4] = c;
-}
-"""
-
-
-def expected_geometry_output(n_threads: int) -> torch.Tensor:
-    """Row i: i, the uint, the half's bits, (long)-1 + 4e9 as uint, the uchar."""
-    half_bits = struct.unpack("<H", struct.pack("<e", -1.5))[0]
-    rows = [[i, 4000000000, half_bits, 3999999999, 200] for i in range(n_threads)]
-    return torch.tensor(rows, dtype=torch.int64).flatten()
-
 
 @pytest.mark.mps
 @requires_mps
@@ -313,7 +282,7 @@ def test_geometry_and_scalars_on_the_gpu():
         "bnb_test_geometry",
         grid=grid,
         threadgroup=tg,
-        args=[out, uint32(4000000000), float16(-1.5), int64(-1), Scalar(200, "uchar")],
+        args=[out, *GEOMETRY_SCALARS],
     )
     got = storage.cpu().to(torch.int64) & 0xFFFFFFFF
     assert torch.equal(got[:7], torch.full((7,), 0xFFFFFFFF, dtype=torch.int64))  # untouched before the offset

@@ -4,7 +4,6 @@ of libm functions within a few ulp."""
 
 from __future__ import annotations
 
-import math
 import struct
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from bnb_mps import emulator
-from bnb_mps.kernel_args import Scalar, float32, uint32
+from bnb_mps.kernel_args import float32, uint32
 
 from emu_support import ORDERS, load_kernels
 
