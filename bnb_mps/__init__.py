@@ -48,13 +48,14 @@ def backend_info() -> dict[str, dict[str, str]]:
     mine = set(registration.registered("MPS"))
     info: dict[str, dict[str, str]] = {}
     for name in registration.bitsandbytes_schemas():
-        if name in mine:
-            tier, reason = executors.describe(ops.OPS[name].kernel is not None)
-        elif name in ops.OPS:
-            tier = "bitsandbytes"
-            reason = registration.skipped().get(name, "bnb_mps is not registered (bnb_mps.register() was undone)")
-        else:
+        if name not in ops.OPS:
             tier, reason = "bitsandbytes", "schema unknown to this bnb_mps version"
+        elif registration.schema_mismatch(name):
+            tier, reason = "bitsandbytes", registration.schema_mismatch(name)
+        elif name in mine:
+            tier, reason = executors.describe(ops.OPS[name].kernel is not None)
+        else:
+            tier, reason = "bitsandbytes", "bnb_mps is not registered (bnb_mps.register() was undone)"
         info[name] = {"tier": tier, "reason": reason}
     return info
 

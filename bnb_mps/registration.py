@@ -6,8 +6,8 @@ bitsandbytes had before. This module is imported by bitsandbytes' entry point on
 `import bitsandbytes`, so it is kept tiny: the op layer is imported on the first op call.
 
 A schema bnb_mps does not know is left to bitsandbytes; so is a known one whose arguments differ
-from what bnb_mps expects. Both are reported by `skipped()` / `unknown_schemas()` and
-`python -m bnb_mps`.
+from what bnb_mps expects (found on its first call). Both are reported by `unknown_schemas()` /
+`schema_mismatch()` and `python -m bnb_mps`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ SCHEMAS: dict[str, tuple[str, ...]] = {
 _lock = threading.Lock()
 _libraries: dict[str, torch.library.Library] = {}
 _names: dict[str, list[str]] = {}
+_executors: dict[str, object] = {}
 _skipped: dict[str, str] = {}
 
 
@@ -81,35 +82,52 @@ def register(dispatch_key: str = "MPS", executor=None, names=None) -> list[str]:
 
     With `executor`, every call runs its kernel on that executor, and only `names` are registered
     (used to put the emulated tier under the `CPU` key in tests). A key registered already is a no-op.
+
+    Nothing here inspects bitsandbytes' schemas (that would cost more than the registration): a
+    schema whose arguments differ from SCHEMAS is found on its first call and handed back to
+    bitsandbytes then (`leave_to_bitsandbytes`); one bitsandbytes does not define is never called.
     """
     with _lock:
-        if dispatch_key in _libraries:
-            return list(_names[dispatch_key])
-        lib = torch.library.Library(NAMESPACE, "IMPL")
-        done: list[str] = []
-        try:
-            with warnings.catch_warnings():
-                # Replacing bitsandbytes' own MPS kernels is the point; PyTorch warns about overrides.
-                warnings.simplefilter("ignore")
-                for name, params in SCHEMAS.items():
-                    if names is not None and name not in names:
-                        continue
-                    schema = _schema(name)
-                    if schema is None:
-                        _skipped[name] = "bitsandbytes does not define this schema"
-                        continue
-                    got = tuple(a.name for a in schema.arguments)
-                    if got != params:
-                        _skipped[name] = f"schema arguments changed: bnb_mps expects {params}, bitsandbytes has {got}"
-                        continue
-                    lib.impl(name, _make_kernel(name, executor), dispatch_key)
-                    done.append(name)
-        except BaseException:
-            lib._destroy()
-            raise
-        _libraries[dispatch_key] = lib
-        _names[dispatch_key] = done
-        return list(done)
+        if dispatch_key not in _libraries:
+            wanted = [n for n in SCHEMAS if (names is None or n in names) and n not in _skipped]
+            _install(dispatch_key, executor, wanted)
+        return list(_names[dispatch_key])
+
+
+def _install(dispatch_key: str, executor, wanted: list[str]) -> None:
+    lib = torch.library.Library(NAMESPACE, "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # Replacing bitsandbytes' own MPS kernels is the point; PyTorch warns about overrides.
+            warnings.simplefilter("ignore")
+            for name in wanted:
+                lib.impl(name, _make_kernel(name, executor), dispatch_key)
+    except BaseException:
+        lib._destroy()
+        raise
+    _libraries[dispatch_key] = lib
+    _names[dispatch_key] = list(wanted)
+    _executors[dispatch_key] = executor
+
+
+def schema_mismatch(name: str):
+    """Why bnb_mps cannot serve bitsandbytes' current schema `name`, or None if it can."""
+    schema = _schema(name)
+    if schema is None:
+        return "bitsandbytes does not define this schema"
+    got = tuple(a.name for a in schema.arguments)
+    if got != SCHEMAS[name]:
+        return f"schema arguments changed: bnb_mps expects {SCHEMAS[name]}, bitsandbytes has {got}"
+    return None
+
+
+def leave_to_bitsandbytes(name: str, reason: str) -> None:
+    """Withdraw bnb_mps' kernels for one schema (every key), so bitsandbytes' own serve it."""
+    with _lock:
+        _skipped[name] = reason
+        for key in [k for k, names in _names.items() if name in names]:
+            _libraries.pop(key)._destroy()
+            _install(key, _executors[key], [n for n in _names[key] if n != name])
 
 
 def unregister(dispatch_key: str = "MPS") -> None:
@@ -117,6 +135,7 @@ def unregister(dispatch_key: str = "MPS") -> None:
     with _lock:
         lib = _libraries.pop(dispatch_key, None)
         _names.pop(dispatch_key, None)
+        _executors.pop(dispatch_key, None)
         if lib is not None:
             lib._destroy()
 
@@ -137,7 +156,8 @@ def skipped() -> dict[str, str]:
 def bitsandbytes_schemas() -> list[str]:
     """Every op schema defined in the bitsandbytes namespace ("quantize_4bit", "gemv_4bit.out", ...)."""
     prefix = f"{NAMESPACE}::"
-    return sorted(n[len(prefix) :] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+    names = (n[len(prefix) :] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+    return sorted(n for n in names if _schema(n) is not None)  # (registered kernels alone list a name too)
 
 
 def unknown_schemas() -> list[str]:

@@ -103,6 +103,7 @@ def test_schema_table_matches_the_op_layer():
 @pytest.fixture
 def restore_registration():
     yield
+    registration._skipped.clear()
     registration.unregister("MPS")
     bnb_mps.register()
     assert set(registration.registered("MPS")) == SCHEMAS_0_50
@@ -164,6 +165,7 @@ def test_failure_midway_registers_nothing(restore_registration, monkeypatch):
             raise RuntimeError("fifth fails")
         return real(name, executor)
 
+
     monkeypatch.setattr(registration, "_make_kernel", flaky)
     bnb_mps._entry_point()
     assert not any(has_mps_kernel(n) for n in SCHEMAS_0_50)
@@ -181,13 +183,25 @@ def test_unknown_schema_is_left_to_bitsandbytes_and_reported():
         lib._destroy()
 
 
-def test_changed_schema_is_left_to_bitsandbytes(restore_registration, monkeypatch):
+def test_changed_schema_is_handed_back_to_bitsandbytes_on_first_call(restore_registration, monkeypatch):
+    """A bitsandbytes release whose gemv_4bit takes another argument: simulated by bnb_mps
+    expecting one more. The first call hands the op back; bitsandbytes' kernel answers it."""
     bnb_mps.unregister()
-    monkeypatch.setitem(registration.SCHEMAS, "gemv_4bit", ("A", "B", "shapeB", "absmax", "code", "blocksize", "new"))
+    params = registration.SCHEMAS["gemv_4bit"] + ("new",)
+    monkeypatch.setitem(registration.SCHEMAS, "gemv_4bit", params)
+    monkeypatch.setattr(ops.OPS["gemv_4bit"], "check", lambda A, B, shapeB, absmax, code, blocksize, new=None: None)
     bnb_mps.register()
+    assert has_mps_kernel("gemv_4bit")  # registration does not inspect schemas (it must stay cheap)
+    assert "changed" in bnb_mps.backend_info()["gemv_4bit"]["reason"]
+
+    import op_inputs
+
+    args = next(op_inputs.cases("gemv_4bit"))[1]
+    got = torch.ops.bitsandbytes.gemv_4bit.default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.MPS), *args)
+    assert torch.equal(got, torch.ops.bitsandbytes.gemv_4bit(*args))
     assert not has_mps_kernel("gemv_4bit") and has_mps_kernel("gemm_4bit")
+    assert "gemv_4bit" not in registration.registered("MPS")
     assert "changed" in registration.skipped()["gemv_4bit"]
-    assert bnb_mps.backend_info()["gemv_4bit"]["tier"] == "bitsandbytes"
 
 
 def test_backend_info_names_a_tier_and_reason_for_every_op(fresh_tier_selection):

@@ -45,8 +45,16 @@ def call(op: OpDef, schema, args: tuple, kwargs: dict, executor: Optional[execut
 
 def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None):
     """The function the dispatcher's kernel for schema `name` forwards to: `f(args, kwargs)`."""
+    from .. import registration
+
     op = OPS[name]
     schema = op_packet(name)._schema
+    if tuple(a.name for a in schema.arguments) != op.params:
+        # A bitsandbytes version whose schema bnb_mps does not know: hand the op back and let the
+        # dispatcher route this call (and later ones) to bitsandbytes' own kernel.
+        registration.leave_to_bitsandbytes(name, registration.schema_mismatch(name) or "schema changed")
+        packet = op_packet(name)
+        return lambda args, kwargs: packet(*args, **kwargs)
 
     def entry(args: tuple, kwargs: dict):
         return call(op, schema, args, kwargs, executor)
