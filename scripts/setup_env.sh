@@ -21,3 +21,6 @@ fi
 
 # --no-build-isolation: the native (macOS) build compiles against the installed torch.
 "$PY" -m pip install --quiet --no-build-isolation -e ".[test,e2e]"
+# Bytecode for the editable checkout, as pip writes it for regular installs (the environment may
+# set PYTHONDONTWRITEBYTECODE, and bitsandbytes imports bnb_mps on every `import bitsandbytes`).
+"$PY" -m compileall -q bnb_mps >/dev/null || true
