@@ -1,6 +1,6 @@
-"""Which executor serves the ops, and the one-time message when it is a slow one.
+"""Which executor serves the ops, and the one-time message when it is not the native one.
 
-Tiers, fastest first: native (the built Objective-C++ library), shader (the same kernels through
+Tiers, in order of preference: native (the built Objective-C++ library), shader (the same kernels through
 `torch.mps.compile_shader`), emulated (the Metal-on-CPU emulator; debugging and tests only, never
 picked by default), cpu (the op-level CPU-transfer fallback). `BNB_MPS_EXECUTOR` forces one.
 Tiers are loaded lazily, once per process, on the first op or `backend_info()` call.
@@ -164,9 +164,9 @@ def notify_slow_tier(op_name: str, tier: str, reason: str) -> None:
         return
     _warned = True
     what = {
-        "cpu": "copied to the CPU and back (slow)",
-        "shader": "the same Metal kernels compiled at run time by torch.mps.compile_shader (fast, minus the native launch path)",
-        "emulated": "the Metal-on-CPU emulator (very slow; for debugging)",
+        "cpu": "bitsandbytes' CPU implementation, with a copy to the CPU and back",
+        "shader": "the same Metal kernels, compiled at run time by torch.mps.compile_shader",
+        "emulated": "the Metal-on-CPU emulator (for debugging)",
     }.get(tier, tier)
     warnings.warn(
         f"bnb_mps: bitsandbytes ops on mps (first: {op_name}) are served by the {tier} tier: {what}. "
