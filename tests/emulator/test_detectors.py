@@ -63,6 +63,12 @@ def test_out_of_bounds_write(lib, n):
     assert f"thread_position_in_grid ({n}, 0, 0)" in str(e.value)
 
 
+def test_threadgroup_subscript_out_of_bounds_with_race_checking(lib):
+    with pytest.raises(emulator.OutOfBounds, match=r"threadgroup_subscript.*subscript 32 .*\[0, 32\)"):
+        lib.launch("threadgroup_subscript", grid=1, threadgroup=64, args=[torch.zeros(64)], race_check=True)
+    lib.launch("threadgroup_subscript", grid=1, threadgroup=32, args=[torch.zeros(64)], race_check=True)
+
+
 def test_out_of_bounds_leaves_outputs_untouched(lib):
     out = torch.zeros(8)
     with pytest.raises(emulator.OutOfBounds):
@@ -89,6 +95,12 @@ def test_divergent_simd_collectives(lib):
         lib.launch("divergent_simd", grid=1, threadgroup=32, args=[torch.ones(32), torch.zeros(32)])
     with pytest.raises(emulator.DivergentCollective, match="threadgroup_barrier"):
         lib.launch("simd_vs_barrier", grid=1, threadgroup=32, args=[torch.zeros(32)])
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simd_collective_skipped_by_returning_lanes(lib, order):
+    with pytest.raises(emulator.DivergentCollective, match="simd_in_a_branch.*simd_sum.*returned"):
+        lib.launch("simd_in_a_branch", grid=1, threadgroup=64, args=[torch.zeros(64)], order=order)
 
 
 def test_metal_limits(lib):

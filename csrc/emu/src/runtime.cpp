@@ -586,6 +586,20 @@ bool Worker::resolve() {
       }
     }
     if (!first) continue;
+    // The project's kernels keep SIMD collectives in simdgroup-uniform control flow: every lane
+    // that exists reaches each one. (Metal itself would run it over the remaining active lanes,
+    // which hides `if (...) x = simd_sum(x);` and early returns before a collective.)
+    for (uint32_t i = lo; i < hi; ++i) {
+      if (lanes[i].state == DONE) {
+        char pos[300];
+        format_position(pos, sizeof pos, lanes[i].pub);
+        fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
+                             "SIMD-group collective in divergent control flow: this thread is at %s (%s) but a "
+                             "thread of its simdgroup has returned without reaching it (%s)",
+                             first->what, where(first->file, first->line).c_str(), pos);
+        return false;
+      }
+    }
     if (barrier) {
       fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
                            "SIMD-group collective in divergent control flow: this thread is at %s while lane %u of "

@@ -139,3 +139,22 @@ kernel void wild_pointer(device float* out [[buffer(0)]],
   p[gid] = 1.0f;
   out[gid] = 0.0f;
 }
+
+// Indexes a 32-element threadgroup array with the thread index of a 64-thread group.
+kernel void threadgroup_subscript(device float* out [[buffer(0)]],
+                                  uint tid [[thread_position_in_threadgroup]]) {
+  threadgroup float s[32];
+  s[tid] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = s[tid];
+}
+
+// Half of each simdgroup takes a SIMD sum; the other half skips it and returns.
+kernel void simd_in_a_branch(device float* out [[buffer(0)]],
+                             uint tid [[thread_position_in_threadgroup]]) {
+  float v = float(tid);
+  if (tid % 2 == 0) {
+    v = simd_sum(v);
+  }
+  out[tid] = v;
+}

@@ -58,7 +58,8 @@ inline position_binding attribute(uint32_t v) { return {{{v, 0, 0}}}; }
 
 #if BNB_EMU_RACE_CHECK
 // Race-checking build: threadgroup arrays are wrappers whose element access reports a read to
-// the race checker (writes are found by comparing threadgroup memory after every lane's turn).
+// the race checker (writes are found by comparing threadgroup memory after every lane's turn)
+// and checks the subscript.
 template <class E, size_t N>
 struct tg_array;
 template <class T>
@@ -78,13 +79,25 @@ struct tg_array {
   E data[N];
   template <class I>
   E& operator[](I i) {
+    check_index(i);
     if constexpr (!is_tg_array<E>::value) threadgroup_touch(&data[i], sizeof(E), BNB_EMU_ACCESS_READ);
     return data[i];
   }
   template <class I>
   const E& operator[](I i) const {
+    check_index(i);
     if constexpr (!is_tg_array<E>::value) threadgroup_touch(&data[i], sizeof(E), BNB_EMU_ACCESS_READ);
     return data[i];
+  }
+  // Subscripts past either end would silently use a neighbouring threadgroup allocation.
+  template <class I>
+  static void check_index(I i) {
+    const long long index = static_cast<long long>(i);
+    if (index < 0 || static_cast<unsigned long long>(index) >= N) {
+      char msg[120];
+      std::snprintf(msg, sizeof msg, "threadgroup array subscript %lld is out of bounds [0, %zu)", index, N);
+      rt->fail(BNB_EMU_OUT_OF_BOUNDS, msg, nullptr, 0);
+    }
   }
   operator E*() { return data; }
   operator const E*() const { return data; }
