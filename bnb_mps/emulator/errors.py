@@ -16,7 +16,8 @@ class EmulatorError(RuntimeError):
 
 
 class OutOfBounds(EmulatorError):
-    """A simulated thread read or wrote past the end of a bound buffer."""
+    """A simulated thread read or wrote past the end of a bound buffer (or, when race checking,
+    outside a threadgroup array)."""
 
     kind = 1
 
