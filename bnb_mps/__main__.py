@@ -28,11 +28,10 @@ def _native_status() -> str:
 def diagnostics() -> str:
     import torch
 
-    import bitsandbytes  # noqa: F401  (registers bnb_mps through its entry point)
-
     import bnb_mps
     from bnb_mps import executors, registration
 
+    bnb_version = _version("bitsandbytes")  # importing it registers bnb_mps (entry point)
     mac = platform.mac_ver()[0]
     mps = getattr(torch.backends, "mps", None)
     lines = [
@@ -41,10 +40,13 @@ def diagnostics() -> str:
         f"macOS         {mac or 'not macOS'}",
         f"python        {platform.python_version()}",
         f"torch         {torch.__version__}",
-        f"bitsandbytes  {_version('bitsandbytes')}",
+        f"bitsandbytes  {bnb_version}",
         f"mps available {bool(mps and mps.is_available())} (built: {bool(mps and mps.is_built())})",
         f"native lib    {_native_status()}",
     ]
+    if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
+        lines += ["", "bitsandbytes is not importable, so there are no ops to serve: pip install bitsandbytes"]
+        return "\n".join(lines)
     sel = executors.selection()
     lines.append(f"executor tier {sel.tier}" + (f" ({sel.reason})" if sel.executor is not None else ""))
     for tier, why in executors.load_errors().items():
