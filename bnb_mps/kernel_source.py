@@ -31,6 +31,9 @@ def kernel_dir() -> Path:
 def _inline(path: Path, seen: set[Path], line_directives: bool) -> list[str]:
     out = [f'#line 1 "{path.name}"'] if line_directives else []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip() == "#pragma once":  # each header is inlined once; Metal would warn in a main file
+            out.append("")
+            continue
         m = _INCLUDE.match(line)
         if m is None:
             out.append(line)
