@@ -1,0 +1,41 @@
+"""The kernel amalgamation every executor compiles: local includes inlined once, line mapping kept."""
+
+import pytest
+
+from bnb_mps import kernel_source
+
+
+def write(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+
+
+def test_includes_inlined_once_with_line_directives(tmp_path):
+    write(tmp_path, "common.h", "#pragma once\n#include <metal_stdlib>\ninline float two() { return 2.0f; }\n")
+    write(tmp_path, "a.metal", '#include "common.h"\nkernel void a() {}\n')
+    write(tmp_path, "b.metal", '// b\n#include "common.h"\nkernel void b() {}\n')
+    src = kernel_source.amalgamate(tmp_path)
+    lines = src.splitlines()
+    assert src.count("inline float two()") == 1 and "#pragma once" not in src
+    assert src.count("#include <metal_stdlib>") == 1  # system includes stay for the compiler
+    # after each inlined header, a #line directive puts the compiler back on the includer's next line
+    assert lines[lines.index("kernel void a() {}") - 1] == '#line 2 "a.metal"'
+    assert lines[lines.index("kernel void b() {}") - 1] == '#line 3 "b.metal"'
+    assert lines.index("kernel void a() {}") < lines.index("kernel void b() {}")  # files in name order
+
+
+def test_missing_include_names_the_file_and_line(tmp_path):
+    write(tmp_path, "a.metal", '\n#include "nope.h"\n')
+    with pytest.raises(FileNotFoundError, match=r"a.metal:2: .*nope.h"):
+        kernel_source.amalgamate(tmp_path)
+
+
+def test_non_ascii_source_is_rejected(tmp_path):
+    write(tmp_path, "a.metal", "// caf\u00e9\n")
+    with pytest.raises(ValueError, match="ASCII"):
+        kernel_source.amalgamate(tmp_path)
+
+
+def test_the_project_source_is_stable_and_names_its_kernels():
+    src = kernel_source.source()
+    assert src == kernel_source.amalgamate() and src.isascii()
+    assert "bnb_quantize_blockwise" in src and len(kernel_source.source_hash()) == 16
