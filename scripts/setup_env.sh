@@ -10,13 +10,17 @@ TORCH_VERSION=${BNB_MPS_TORCH_VERSION:-2.13.0}
 "$PY" -m pip install --quiet "torch==${TORCH_VERSION}"
 "$PY" -m pip install --quiet "bitsandbytes>=0.49" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
 
-# clang: the emulator tests also compile kernels with clang++-16 (the first Debian clang with
-# _Float16 on x86-64), and clang++ syntax-checks the Objective-C++ executor. Installed only where
-# that is possible without asking (root with apt-get); otherwise those tests are skipped.
-if { ! command -v clang++ || ! command -v clang++-16; } >/dev/null 2>&1 \
+# Optional tools, installed only where that is possible without asking (root with apt-get);
+# the tests that need them are skipped otherwise:
+#   clang, clang-16: the emulator tests also compile kernels with clang++-16 (the first Debian
+#     clang with _Float16 on x86-64); clang++ syntax-checks the Objective-C++ executor;
+#   qemu-user, g++-aarch64-linux-gnu: run the emulator's aarch64 (Apple Silicon) fiber switch.
+if { ! command -v clang++ || ! command -v clang++-16 || ! command -v qemu-aarch64 \
+     || ! command -v aarch64-linux-gnu-g++; } >/dev/null 2>&1 \
     && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang clang-16 >/dev/null) \
-    || echo "setup_env: clang could not be installed; clang-only tests will be skipped" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+     clang clang-16 qemu-user g++-aarch64-linux-gnu >/dev/null) \
+    || echo "setup_env: optional tools could not be installed; the tests that need them are skipped" >&2
 fi
 
 # --no-build-isolation: the native (macOS) build compiles against the installed torch.
