@@ -65,7 +65,7 @@ class NoLaunch:
 
 
 def run(name: str, executor, *args):
-    return call(OPS[name], op_packet(name)._schema, args, {}, executor)
+    return call(OPS[name], args, {}, executor)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

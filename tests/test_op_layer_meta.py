@@ -42,7 +42,7 @@ def test_the_quantization_ops_have_kernels():
 def test_kernel_path_on_meta(name, label):
     args = to_meta(copy.deepcopy(dict(op_inputs.cases(name))[label]))
     recorder = RecordingExecutor()
-    got = ops.call(ops.OPS[name], ops.op_packet(name)._schema, tuple(args), {}, recorder)
+    got = ops.call(ops.OPS[name], tuple(args), {}, recorder)
     assert len(recorder.launches) == (0 if label == "empty" else 1), recorder.launched  # one launch per op
     if name.endswith(".out"):  # (bitsandbytes' fakes of the .out overloads reject list shapes)
         assert got is None

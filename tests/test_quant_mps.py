@@ -27,7 +27,7 @@ def executor(request):
 
 def run(executor, name, *args):
     op = ops.OPS[name]
-    return ops.call(op, ops.op_packet(name)._schema, args, {}, executor)
+    return ops.call(op, args, {}, executor)
 
 
 def same(a, b):

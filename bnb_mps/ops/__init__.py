@@ -14,7 +14,7 @@ from .. import executors
 from ..executors import cpu as cpu_fallback
 from . import blockwise, fourbit, int8, optim  # noqa: F401  (each declares its ops)
 from . import quantize_kernels  # noqa: F401  (Metal kernels of the blockwise and 4-bit ops)
-from .registry import OPS, OpDef, bind, op_packet
+from .registry import OPS, OpDef, argument_spec, bind, op_packet
 
 __all__ = ["OPS", "OpDef", "call", "dispatcher_entry", "op_packet"]
 
@@ -26,9 +26,9 @@ def _device_type(args: list) -> str:
     return "cpu"
 
 
-def call(op: OpDef, schema, args: tuple, kwargs: dict, executor: Optional[executors.Executor] = None):
+def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Optional[executors.Executor] = None):
     """Serve one call of `op`. With `executor` given, its kernel runs there (no fallback)."""
-    bound = bind(schema, args, kwargs)
+    bound = bind(op.name, args, kwargs or {})
     op.check(*bound)
     if executor is not None:
         return op.kernel(executor, *bound)
@@ -48,8 +48,7 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None):
     from .. import registration
 
     op = OPS[name]
-    schema = op_packet(name)._schema
-    if tuple(a.name for a in schema.arguments) != op.params:
+    if tuple(arg for arg, _ in argument_spec(name)) != op.params:
         # A bitsandbytes version whose schema bnb_mps does not know: hand the op back and let the
         # dispatcher route this call (and later ones) to bitsandbytes' own kernel.
         registration.leave_to_bitsandbytes(name, registration.schema_mismatch(name) or "schema changed")
@@ -57,6 +56,6 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None):
         return lambda args, kwargs: packet(*args, **kwargs)
 
     def entry(args: tuple, kwargs: dict):
-        return call(op, schema, args, kwargs, executor)
+        return call(op, args, kwargs, executor)
 
     return entry

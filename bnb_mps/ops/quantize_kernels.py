@@ -108,8 +108,7 @@ def _into(out: torch.Tensor, fill) -> None:
 
 def packed_shape(n: int, quant_storage: torch.dtype) -> tuple[int, int]:
     """bitsandbytes' shape of the packed tensor: ((n + 1) // (2 * itemsize), 1)."""
-    itemsize = torch.empty((), dtype=quant_storage).element_size()
-    return ((n + 1) // (2 * itemsize), 1)
+    return ((n + 1) // (2 * quant_storage.itemsize), 1)
 
 
 @kernel("quantize_4bit")
@@ -118,7 +117,7 @@ def quantize_4bit(executor, A, blocksize, quant_type, quant_storage):
     _check_size("quantize_4bit", "A", n)
     nbytes = (n + 1) // 2
     rows, _ = packed_shape(n, quant_storage)
-    itemsize = torch.empty((), dtype=quant_storage).element_size()
+    itemsize = quant_storage.itemsize
     # The kernel writes all ceil(n / 2) bytes; when that is not a multiple of the storage item
     # size, bitsandbytes' shape drops the last partial item, so the buffer is rounded up and the
     # result is a view of its first rows items.

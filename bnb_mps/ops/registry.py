@@ -26,6 +26,8 @@ class OpDef:
     kernel: Optional[Callable[..., Any]] = None
     #: for the CPU-transfer fallback where bitsandbytes has no CPU implementation of this schema
     composite: Optional[Callable[..., Any]] = None
+    #: the schema's arguments (name, default), cached by `argument_spec`
+    spec: Optional[tuple] = None
 
     @property
     def qualname(self) -> str:
@@ -84,20 +86,33 @@ def op_packet(name: str):
     return getattr(getattr(getattr(torch.ops, NAMESPACE), base), overload or "default")
 
 
-def bind(schema, args: tuple, kwargs: dict) -> list:
+_NO_DEFAULT = object()
+
+
+def argument_spec(name: str) -> tuple[tuple[str, object], ...]:
+    """(argument name, default or _NO_DEFAULT) in schema order, read once from bitsandbytes' schema."""
+    op = OPS[name]
+    if op.spec is None:
+        args = op_packet(name)._schema.arguments
+        op.spec = tuple((a.name, a.default_value if a.has_default_value() else _NO_DEFAULT) for a in args)
+    return op.spec
+
+
+def bind(name: str, args: tuple, kwargs: dict) -> list:
     """All of a call's arguments in schema order, defaults filled in.
 
     The dispatcher hands Python kernels trailing arguments that equal their defaults as missing,
     and callers may pass any argument by keyword.
     """
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if i < len(args):
-            out.append(args[i])
-        elif arg.name in kwargs:
-            out.append(kwargs[arg.name])
-        elif arg.has_default_value():
-            out.append(arg.default_value)
+    spec = argument_spec(name)
+    if len(args) == len(spec):
+        return list(args)
+    out = list(args)
+    for arg_name, default in spec[len(args) :]:
+        if arg_name in kwargs:
+            out.append(kwargs[arg_name])
+        elif default is not _NO_DEFAULT:
+            out.append(default)
         else:
-            raise TypeError(f"{schema.name}: missing argument {arg.name!r}")
+            raise TypeError(f"{name}: missing argument {arg_name!r}")
     return out
