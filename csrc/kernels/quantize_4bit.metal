@@ -39,8 +39,11 @@
     BNB_KERNEL_INSTANTIATE("bnb_dequantize_4bit_" #qname "_" #tname, bnb_dequantize_4bit, type, quant)
 
 BNB_INSTANTIATE_QUANT4_ALL(nf4, BNB_NF4, f16, half)
-BNB_INSTANTIATE_QUANT4_ALL(nf4, BNB_NF4, bf16, bfloat)
 BNB_INSTANTIATE_QUANT4_ALL(nf4, BNB_NF4, f32, float)
 BNB_INSTANTIATE_QUANT4_ALL(fp4, BNB_FP4, f16, half)
-BNB_INSTANTIATE_QUANT4_ALL(fp4, BNB_FP4, bf16, bfloat)
 BNB_INSTANTIATE_QUANT4_ALL(fp4, BNB_FP4, f32, float)
+// bfloat needs Metal 3.1 (macOS 14), as bf16 tensors on mps do; older systems still get the rest.
+#if defined(__HAVE_BFLOAT__)
+BNB_INSTANTIATE_QUANT4_ALL(nf4, BNB_NF4, bf16, bfloat)
+BNB_INSTANTIATE_QUANT4_ALL(fp4, BNB_FP4, bf16, bfloat)
+#endif

@@ -37,5 +37,8 @@
     BNB_KERNEL_INSTANTIATE("bnb_dequantize_blockwise_" #tname, bnb_dequantize_blockwise, type)
 
 BNB_INSTANTIATE_QUANT8_ALL(f16, half)
+// bfloat needs Metal 3.1 (macOS 14), as bf16 tensors on mps do; older systems still get the rest.
+#if defined(__HAVE_BFLOAT__)
 BNB_INSTANTIATE_QUANT8_ALL(bf16, bfloat)
+#endif
 BNB_INSTANTIATE_QUANT8_ALL(f32, float)
