@@ -10,7 +10,6 @@ a `#line` directive so that compiler errors and emulator reports name the origin
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from pathlib import Path
 
@@ -69,8 +68,3 @@ def amalgamate(directory: Path | str | None = None, *, line_directives: bool = T
 def source() -> str:
     """The project's kernel amalgamation (cached for the process)."""
     return amalgamate()
-
-
-def source_hash() -> str:
-    """Stable identity of the kernel source, for caches of compiled libraries."""
-    return hashlib.sha256(source().encode()).hexdigest()[:16]

@@ -38,4 +38,4 @@ def test_non_ascii_source_is_rejected(tmp_path):
 def test_the_project_source_is_stable_and_names_its_kernels():
     src = kernel_source.source()
     assert src == kernel_source.amalgamate() and src.isascii()
-    assert "bnb_quantize_blockwise" in src and len(kernel_source.source_hash()) == 16
+    assert "bnb_quantize_blockwise" in src

@@ -30,10 +30,6 @@ class OpDef:
     spec: Optional[tuple] = None
 
     @property
-    def qualname(self) -> str:
-        return f"{NAMESPACE}::{self.name}"
-
-    @property
     def params(self) -> tuple[str, ...]:
         return tuple(inspect.signature(self.check).parameters)
 
