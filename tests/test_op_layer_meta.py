@@ -49,3 +49,33 @@ def test_kernel_path_on_meta(name, label):
         return
     want = ops.op_packet(name)(*to_meta(args))  # bitsandbytes' fake implementation
     assert describe(got) == describe(want)
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a view that starts one element into its storage."""
+    base = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = base[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+# Buffers each kernel reads or writes with vector accesses (csrc/kernels/quantize_*.h).
+VECTOR_BUFFERS = {
+    "bnb_quantize_blockwise_": (0, 2), "bnb_dequantize_blockwise_": (0, 3),
+    "bnb_quantize_4bit_": (0, 1), "bnb_dequantize_4bit_": (0, 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name,label", CASES, ids=[f"{n}-{l}" for n, l in CASES])
+def test_kernels_get_vector_aligned_buffers(name, label):
+    """The kernels load and store with vectors: every tensor bound is 16-byte aligned, even when
+    the caller's inputs and `out` are views that start mid-storage."""
+    args = [misaligned(a) if isinstance(a, torch.Tensor) and a.dim() else a
+            for a in to_meta(copy.deepcopy(dict(op_inputs.cases(name))[label]))]  # fmt: skip
+    assert any(isinstance(a, torch.Tensor) and a.storage_offset() for a in args)
+    recorder = RecordingExecutor()
+    ops.call(ops.OPS[name], tuple(args), {}, recorder)
+    for kernel, _, _, bound in recorder.launches:
+        (vector_buffers,) = [v for prefix, v in VECTOR_BUFFERS.items() if kernel.startswith(prefix)]
+        for i in vector_buffers:
+            assert (bound[i].storage_offset() * bound[i].element_size()) % 16 == 0, f"{kernel} buffer({i})"

@@ -153,3 +153,21 @@ def test_detection_settings_apply(monkeypatch):
     with use_emulated_kernels(order="reverse", race_check=True, poison=0x00):
         F.quantize_blockwise(rand(300, seed=1), blocksize=256)
     assert seen == [("reverse", True, 0x00)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_views_that_start_mid_storage(dtype):
+    """Inputs and `out` that are views one element into their storage (not vector-aligned)."""
+    base = rand(1 + 40 * 33, dtype=dtype, seed=21)
+    A = base[1:].view(40, 33)
+    packed, absmax = ref.quantize_4bit(A, 64, "nf4")
+    packed_view = torch.cat([torch.zeros(1, 1, dtype=torch.uint8), packed])[1:]
+    out = torch.full((1 + 40 * 33,), 7.0, dtype=dtype)[1:].view(40, 33)
+    with use_emulated_kernels(race_check=True):
+        got_packed, got_absmax = torch.ops.bitsandbytes.quantize_4bit(A, 64, "nf4", torch.uint8)
+        torch.ops.bitsandbytes.dequantize_4bit.out(packed_view, absmax, 64, "nf4", [40, 33], dtype, out)
+        q, am = torch.ops.bitsandbytes.quantize_blockwise(A, CODE, 64)
+    assert same(got_packed, packed) and same(got_absmax, absmax)
+    assert same(out, ref.dequantize_4bit(packed, absmax, 64, "nf4", (40, 33), dtype))
+    want_q, want_am = ref.quantize_blockwise(A, CODE, 64)
+    assert same(q, want_q) and same(am, want_am)

@@ -47,6 +47,21 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1)
 
 
+# The kernels access A, packed data and outputs with vector loads and stores, which need their
+# natural alignment (up to 16 bytes). Storages start aligned; a view may not.
+_VECTOR_ALIGN = 16
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    return (t.storage_offset() * t.element_size()) % _VECTOR_ALIGN == 0
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` flat and contiguous at a 16-byte aligned offset (copied only when it is not)."""
+    t = _flat(t)
+    return t if _is_aligned(t) else t.clone()
+
+
 # -- 8-bit ----------------------------------------------------------------------------------------
 
 
@@ -63,7 +78,7 @@ def quantize_blockwise(executor, A: torch.Tensor, code: torch.Tensor, blocksize:
         f"bnb_quantize_blockwise_{DTYPE_NAMES[A.dtype]}_{blocksize}",
         grid=grid,
         threadgroup=threadgroup,
-        args=[_flat(A), _flat(code), out, absmax, uint32(n)],
+        args=[_aligned(A), _flat(code), out, absmax, uint32(n)],
     )
     return out, absmax
 
@@ -77,7 +92,7 @@ def _dequantize_blockwise_into(executor, out, A, absmax, code, blocksize) -> Non
         f"bnb_dequantize_blockwise_{DTYPE_NAMES[out.dtype]}",
         grid=(math.ceil(n / _DEQUANT8_ELEMS_PER_TG), 1, 1),
         threadgroup=(_DEQUANT_THREADS, 1, 1),
-        args=[_flat(A), _flat(code), _flat(absmax), out, uint32(n), uint32(blocksize)],
+        args=[_aligned(A), _flat(code), _flat(absmax), out, uint32(n), uint32(blocksize)],
     )
 
 
@@ -94,8 +109,8 @@ def dequantize_blockwise_out(executor, A, absmax, code, blocksize, dtype, out) -
 
 
 def _into(out: torch.Tensor, fill) -> None:
-    """Runs `fill(target)` with a contiguous target, writing straight into `out` when it is one."""
-    if out.is_contiguous():
+    """Runs `fill(target)` with a contiguous, aligned target: `out` itself when it is one."""
+    if out.is_contiguous() and _is_aligned(out):
         fill(out)
     else:
         tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
@@ -129,7 +144,7 @@ def quantize_4bit(executor, A, blocksize, quant_type, quant_storage):
             f"bnb_quantize_4bit_{quant_type}_{DTYPE_NAMES[A.dtype]}_{blocksize}",
             grid=grid,
             threadgroup=threadgroup,
-            args=[_flat(A), storage, absmax, uint32(n)],
+            args=[_aligned(A), storage, absmax, uint32(n)],
         )
     packed = storage.view(quant_storage)[:rows].reshape(rows, 1)
     return packed, absmax
@@ -145,7 +160,7 @@ def _dequantize_4bit_into(executor, out, A, absmax, blocksize, quant_type) -> No
         f"bnb_dequantize_4bit_{quant_type}_{DTYPE_NAMES[out.dtype]}",
         grid=(math.ceil(nbytes / _DEQUANT4_BYTES_PER_TG), 1, 1),
         threadgroup=(_DEQUANT_THREADS, 1, 1),
-        args=[_flat(A).view(torch.uint8), _flat(absmax), out, uint32(n), uint32(blocksize)],
+        args=[_aligned(A).view(torch.uint8), _flat(absmax), out, uint32(n), uint32(blocksize)],
     )
 
 

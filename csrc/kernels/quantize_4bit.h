@@ -57,7 +57,7 @@ inline float bnb_4bit_value(uint nibble) {
 
 // quantize_4bit: packed[j] = nibble(A[2j]) << 4 | nibble(A[2j+1]); absmax per block. For odd n
 // the last low nibble encodes s = 0 of the last block (the element past the end loads as 0).
-// Lanes take element pairs, striped over the simdgroup's slice.
+// Each lane takes a run of W = 2 * PAIRS_PER_LANE consecutive elements (W / 2 packed bytes).
 // Launch: BNB_QUANT_THREADS(BLOCKSIZE) threads per threadgroup,
 // ceil(n / BNB_QUANT_TG_ELEMS(BLOCKSIZE)) threadgroups (1-D).
 template <typename T, uint BLOCKSIZE, uint QUANT>
@@ -69,43 +69,39 @@ template <typename T, uint BLOCKSIZE, uint QUANT>
     uint tg [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-    constexpr uint PAIRS_PER_LANE = BNB_SG_ELEMS(BLOCKSIZE) / 64u;
+    constexpr uint W = BNB_SG_ELEMS(BLOCKSIZE) / 32u;
     threadgroup uint partial[BNB_MAX_SIMDS_PER_BLOCK];
 
     const uint start = bnb_slice_start<BLOCKSIZE>(tg, sg);
-    float v[2u * PAIRS_PER_LANE];
+    const uint first = start + lane * W;
+    float v[W];
+    bnb_load_run<W>(A, first, n, v);
     uint bits = 0u;
-    for (uint i = 0; i < PAIRS_PER_LANE; ++i) {
-        const uint idx = start + 2u * (i * 32u + lane);
-        v[2u * i] = bnb_load(A, idx, n);
-        v[2u * i + 1u] = bnb_load(A, idx + 1u, n);
-        bits = max(bits, max(bnb_abs_bits(v[2u * i]), bnb_abs_bits(v[2u * i + 1u])));
+    for (uint i = 0; i < W; ++i) {
+        bits = max(bits, bnb_abs_bits(v[i]));
     }
-    // With blocksize 32 a simdgroup holds two blocks: lanes 0-15 and 16-31 (one pair each).
-    const uint sub = BLOCKSIZE < 64u ? (2u * lane) / BLOCKSIZE : 0u;
+    // With blocksize 32 a simdgroup holds two blocks: lanes 0-15 and 16-31.
+    const uint sub = BLOCKSIZE < 64u ? first % BNB_SG_ELEMS(BLOCKSIZE) / BLOCKSIZE : 0u;
     bits = bnb_block_max_bits<BLOCKSIZE>(bits, sub, lane, sg, partial);
 
     const float amax = as_type<float>(bits);
     const float r = metal::precise::divide(1.0f, amax);
     // The lane holding a block's first element writes its absmax (lanes 0 and 16 for blocksize 32).
-    const uint first = start + 2u * lane;
     const uint block = first / BLOCKSIZE;
     if (first % BLOCKSIZE == 0u && block < bnb_num_blocks<BLOCKSIZE>(n)) {
         absmax[block] = amax;
     }
-    for (uint i = 0; i < PAIRS_PER_LANE; ++i) {
-        const uint idx = start + 2u * (i * 32u + lane);
-        if (idx < n) {
-            const uint hi = bnb_4bit_index<QUANT>(v[2u * i] * r);
-            const uint lo = bnb_4bit_index<QUANT>(v[2u * i + 1u] * r);
-            packed[idx / 2u] = uchar((hi << 4) | lo);
-        }
+    uint b[W / 2u];
+    for (uint i = 0; i < W / 2u; ++i) {
+        b[i] = (bnb_4bit_index<QUANT>(v[2u * i] * r) << 4) | bnb_4bit_index<QUANT>(v[2u * i + 1u] * r);
     }
+    bnb_store_bytes<W / 2u>(packed, first / 2u, (n + 1u) / 2u, b);
 }
 
 // dequantize_4bit: out[i] = T(table[nibble_i] * absmax[i / blocksize]), nibble 2j the high
 // nibble of byte j. Launch: 256 threads per threadgroup, ceil(ceil(n / 2) / 1024) threadgroups
-// (1-D); each thread handles 4 bytes (8 elements), striped over the threadgroup.
+// (1-D); each thread handles a run of 4 bytes (one 4-byte load, 8 elements in two 4-element
+// stores when all are in range).
 #define BNB_DEQUANT4_THREADS 256u
 #define BNB_DEQUANT4_BYTES_PER_THREAD 4u
 
@@ -118,17 +114,25 @@ template <typename T, uint QUANT>
     constant uint& blocksize [[buffer(4)]],
     uint tg [[threadgroup_position_in_grid]],
     uint tid [[thread_position_in_threadgroup]]) {
-    const uint start = tg * (BNB_DEQUANT4_THREADS * BNB_DEQUANT4_BYTES_PER_THREAD);
-    for (uint i = 0; i < BNB_DEQUANT4_BYTES_PER_THREAD; ++i) {
-        const uint j = start + i * BNB_DEQUANT4_THREADS + tid;
-        const uint idx = 2u * j;
-        if (idx < n) {
-            const uchar byte = packed[j];
-            const float scale = absmax[idx / blocksize];  // blocksize is even: both nibbles share it
-            out[idx] = T(bnb_4bit_value<QUANT>(byte >> 4) * scale);
-            if (idx + 1u < n) {
-                out[idx + 1u] = T(bnb_4bit_value<QUANT>(byte & 15u) * scale);
-            }
+    const uint nbytes = (n + 1u) / 2u;
+    const uint j = (tg * BNB_DEQUANT4_THREADS + tid) * BNB_DEQUANT4_BYTES_PER_THREAD;
+    if (j >= nbytes) {
+        return;
+    }
+    uchar4 bytes = uchar4(0);
+    if (j + 4u <= nbytes) {
+        bytes = *reinterpret_cast<const device uchar4*>(packed + j);
+    } else {
+        for (uint k = 0; j + k < nbytes; ++k) {
+            bytes[k] = packed[j + k];
         }
     }
+    float v[8];
+    for (uint k = 0; k < 4u; ++k) {
+        // blocksize is even: both nibbles of a byte share a block.
+        const float scale = absmax[min(2u * (j + k), n - 1u) / blocksize];
+        v[2u * k] = bnb_4bit_value<QUANT>(bytes[k] >> 4) * scale;
+        v[2u * k + 1u] = bnb_4bit_value<QUANT>(bytes[k] & 15u) * scale;
+    }
+    bnb_store_run8(out, 2u * j, n, v);
 }

@@ -51,10 +51,11 @@ template <typename T, uint BLOCKSIZE>
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const uint start = bnb_slice_start<BLOCKSIZE>(tg, sg);
+    const uint first = start + lane * PER_LANE;  // this lane's run of PER_LANE elements
     float v[PER_LANE];
+    bnb_load_run<PER_LANE>(A, first, n, v);
     uint bits = 0u;
     for (uint i = 0; i < PER_LANE; ++i) {
-        v[i] = bnb_load(A, start + i * 32u + lane, n);
         bits = max(bits, bnb_abs_bits(v[i]));
     }
     bits = bnb_block_max_bits<BLOCKSIZE>(bits, 0u, lane, sg, partial);
@@ -67,17 +68,16 @@ template <typename T, uint BLOCKSIZE>
     if (lane == 0u && start % BLOCKSIZE == 0u && block < bnb_num_blocks<BLOCKSIZE>(n)) {
         absmax[block] = amax;
     }
+    uint q[PER_LANE];
     for (uint i = 0; i < PER_LANE; ++i) {
-        const uint idx = start + i * 32u + lane;
-        if (idx < n) {
-            out[idx] = uchar(bnb_code_index(v[i] * r, thresholds));
-        }
+        q[i] = bnb_code_index(v[i] * r, thresholds);
     }
+    bnb_store_bytes<PER_LANE>(out, first, n, q);
 }
 
 // dequantize_blockwise: out[i] = T(code[A[i]] * absmax[i / blocksize]).
-// Launch: 256 threads per threadgroup, ceil(n / 2048) threadgroups (1-D); each thread handles 8
-// elements, striped so that a simdgroup touches 32 consecutive elements per step.
+// Launch: 256 threads per threadgroup, ceil(n / 2048) threadgroups (1-D); each thread handles a
+// run of 8 consecutive elements (two 4-byte loads, two 4-element stores when all are in range).
 #define BNB_DEQUANT8_THREADS 256u
 #define BNB_DEQUANT8_PER_THREAD 8u
 
@@ -97,11 +97,26 @@ template <typename T>
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    const uint start = tg * (BNB_DEQUANT8_THREADS * BNB_DEQUANT8_PER_THREAD);
-    for (uint i = 0; i < BNB_DEQUANT8_PER_THREAD; ++i) {
-        const uint idx = start + i * BNB_DEQUANT8_THREADS + tid;
-        if (idx < n) {
-            out[idx] = T(lut[A[idx]] * absmax[idx / blocksize]);
+    const uint first = (tg * BNB_DEQUANT8_THREADS + tid) * BNB_DEQUANT8_PER_THREAD;
+    if (first >= n) {
+        return;
+    }
+    uint q[BNB_DEQUANT8_PER_THREAD];
+    if (first + BNB_DEQUANT8_PER_THREAD <= n) {
+        const uchar4 lo = *reinterpret_cast<const device uchar4*>(A + first);
+        const uchar4 hi = *reinterpret_cast<const device uchar4*>(A + first + 4u);
+        for (uint k = 0; k < 4u; ++k) {
+            q[k] = lo[k];
+            q[k + 4u] = hi[k];
+        }
+    } else {
+        for (uint k = 0; k < BNB_DEQUANT8_PER_THREAD; ++k) {
+            q[k] = first + k < n ? A[first + k] : 0u;
         }
     }
+    float v[BNB_DEQUANT8_PER_THREAD];
+    for (uint k = 0; k < BNB_DEQUANT8_PER_THREAD; ++k) {
+        v[k] = lut[q[k]] * absmax[min(first + k, n - 1u) / blocksize];
+    }
+    bnb_store_run8(out, first, n, v);
 }

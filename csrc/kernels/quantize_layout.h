@@ -3,8 +3,10 @@
 //
 // A simdgroup (32 lanes) covers SG_ELEMS consecutive elements: the whole block when the block
 // has 64..256 elements, two blocks of 32 (4-bit, blocksize 32), or a 256-element slice of a
-// larger block. Loads are striped: at step i, lane l takes element (or element pair)
-// i * 32 + l of its slice, so each load instruction of a simdgroup touches consecutive memory.
+// larger block. Lane l takes the W = SG_ELEMS / 32 consecutive elements l * W .. l * W + W - 1
+// of its slice with one or two vector loads, so a simdgroup reads its slice as one contiguous
+// run. Vector accesses need their natural alignment: the op layer binds every tensor a kernel
+// accesses with vectors at a 16-byte aligned address.
 //   - blocksize <= 256: 4 independent simdgroups per threadgroup (128 threads), one slice each.
 //   - blocksize  > 256: blocksize / 256 simdgroups share one block (64..512 threads), and the
 //     per-simdgroup maxima meet in threadgroup memory.
@@ -73,4 +75,66 @@ inline uint bnb_num_blocks(uint n) {
 template <typename T>
 inline float bnb_load(const device T* src, uint idx, uint n) {
     return idx < n ? float(src[idx]) : 0.0f;
+}
+
+// v[0..W) = elements idx .. idx + W - 1 as float (0 past n), W in {2, 4, 8}, idx a multiple of
+// W: vector loads when the whole run is in range, scalar ones at the tail.
+template <uint W, typename T>
+inline void bnb_load_run(const device T* src, uint idx, uint n, thread float* v) {
+    if (idx + W <= n) {
+        if (W == 2u) {
+            const vec<T, 2> x = *reinterpret_cast<const device vec<T, 2>*>(src + idx);
+            v[0] = float(x[0]);
+            v[1] = float(x[1]);
+        } else {
+            for (uint h = 0; h < W; h += 4u) {
+                const vec<T, 4> x = *reinterpret_cast<const device vec<T, 4>*>(src + idx + h);
+                for (uint k = 0; k < 4u; ++k) {
+                    v[h + k] = float(x[k]);
+                }
+            }
+        }
+    } else {
+        for (uint k = 0; k < W; ++k) {
+            v[k] = bnb_load(src, idx + k, n);
+        }
+    }
+}
+
+// dst[idx .. idx + W) = b[0..W) for the indices below n, W in {1, 2, 4, 8}, idx a multiple of W:
+// vector stores when the whole run is in range.
+template <uint W>
+inline void bnb_store_bytes(device uchar* dst, uint idx, uint n, thread const uint* b) {
+    if (W >= 2u && idx + W <= n) {
+        if (W == 2u) {
+            *reinterpret_cast<device uchar2*>(dst + idx) = uchar2(uchar(b[0]), uchar(b[1]));
+        } else {
+            for (uint h = 0; h < W; h += 4u) {
+                *reinterpret_cast<device uchar4*>(dst + idx + h) =
+                    uchar4(uchar(b[h]), uchar(b[h + 1u]), uchar(b[h + 2u]), uchar(b[h + 3u]));
+            }
+        }
+    } else {
+        for (uint k = 0; k < W; ++k) {
+            if (idx + k < n) {
+                dst[idx + k] = uchar(b[k]);
+            }
+        }
+    }
+}
+
+// dst[idx .. idx + 8) = T(v[0..8)) for the indices below n, idx a multiple of 8: two vector
+// stores when all eight are in range.
+template <typename T>
+inline void bnb_store_run8(device T* dst, uint idx, uint n, thread const float* v) {
+    if (idx + 8u <= n) {
+        *reinterpret_cast<device vec<T, 4>*>(dst + idx) = vec<T, 4>(T(v[0]), T(v[1]), T(v[2]), T(v[3]));
+        *reinterpret_cast<device vec<T, 4>*>(dst + idx + 4u) = vec<T, 4>(T(v[4]), T(v[5]), T(v[6]), T(v[7]));
+    } else {
+        for (uint k = 0; k < 8u; ++k) {
+            if (idx + k < n) {
+                dst[idx + k] = T(v[k]);
+            }
+        }
+    }
 }
