@@ -1,6 +1,6 @@
 """The quantization kernels under the emulator, bit for bit against tests/spec_reference.py.
 
-Kernels run through the op layer's launchers (bnb_mps.ops.quantize_kernels) on an executor that
+Kernels run through the op layer's launchers (bnb_mps.ops.blockwise, bnb_mps.ops.fourbit) on an executor that
 forwards to the emulator with a chosen lane order, race checking and poison byte, so every
 case checks the op layer's geometry and the kernel's maths together.
 """
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import spec_reference as ref
 from bnb_mps import kernel_source
 from bnb_mps.ops import call, op_packet
-from bnb_mps.ops import quantize_kernels  # noqa: F401  (attaches the kernels to the ops)
+from bnb_mps.ops import blockwise, fourbit
 from bnb_mps.ops.registry import OPS
 
 emulator = pytest.importorskip("bnb_mps.emulator")
@@ -291,10 +291,10 @@ def test_no_hidden_host_reads_on_meta():
     rec = Recorder()
     A = torch.empty(1000, 3, dtype=torch.bfloat16, device="meta")
     code = torch.empty(256, dtype=torch.float32, device="meta")
-    q, absmax = quantize_kernels.quantize_blockwise(rec, A, code, 512)
-    quantize_kernels.dequantize_blockwise(rec, q, absmax, code, 512, torch.float16)
-    packed, absmax4 = quantize_kernels.quantize_4bit(rec, A, 32, "nf4", torch.bfloat16)
-    quantize_kernels.dequantize_4bit(rec, packed, absmax4, 32, "nf4", [1000, 3], torch.float32)
+    q, absmax = blockwise.quantize_blockwise(rec, A, code, 512)
+    blockwise.dequantize_blockwise(rec, q, absmax, code, 512, torch.float16)
+    packed, absmax4 = fourbit.quantize_4bit(rec, A, 32, "nf4", torch.bfloat16)
+    fourbit.dequantize_4bit(rec, packed, absmax4, 32, "nf4", [1000, 3], torch.float32)
     assert packed.shape == (750, 1) and packed.dtype == torch.bfloat16
     assert rec.calls == [
         ("bnb_quantize_blockwise_bf16_512", (6, 1, 1), (64, 1, 1)),

@@ -12,8 +12,7 @@ import torch
 
 from .. import executors
 from ..executors import cpu as cpu_fallback
-from . import blockwise, fourbit, int8, optim  # noqa: F401  (each declares its ops)
-from . import quantize_kernels  # noqa: F401  (Metal kernels of the blockwise and 4-bit ops)
+from . import blockwise, fourbit, int8, matmul_4bit, optim  # noqa: F401  (each declares its ops)
 from .registry import OPS, OpDef, argument_spec, bind, op_packet
 
 __all__ = ["OPS", "OpDef", "call", "dispatcher_entry", "op_packet"]

@@ -1,4 +1,8 @@
-"""4-bit NF4/FP4 quantization and matmul (SPEC.md sections 3 and 4): argument checks."""
+"""4-bit NF4/FP4 quantization (SPEC.md section 3): argument checks and kernel launchers.
+
+Launchers allocate outputs once on the input's device and launch one kernel of
+`csrc/kernels/quantize_4bit.metal` by host name, with the geometry documented there.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,23 @@ import math
 
 import torch
 
+from ..kernel_args import uint32
 from . import validation as v
-from .registry import checks
+from .blockwise import quantize_geometry
+from .launch import DTYPE_NAMES, aligned, check_size, flat, into
+from .registry import checks, kernel
 
 # Packed 4-bit data may be stored in any of these dtypes (Params4bit's quant_storage); it is read as bytes.
 STORAGE_DTYPES = (
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
 )  # fmt: skip
-# What bitsandbytes' gemv/gemm schemas accept for B.
-GEMM_STORAGE_DTYPES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
+
+# -- checks ---------------------------------------------------------------------------------------
 
 
 @checks("quantize_4bit")
-def quantize_4bit(A, blocksize, quant_type, quant_storage) -> None:
+def check_quantize_4bit(A, blocksize, quant_type, quant_storage) -> None:
     op = "quantize_4bit"
     v.tensor(op, "A", A, dtypes=v.FLOATS)
     v.blocksize(op, blocksize, v.BLOCKSIZES_4BIT)
@@ -28,12 +35,12 @@ def quantize_4bit(A, blocksize, quant_type, quant_storage) -> None:
 
 
 @checks("dequantize_4bit")
-def dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype) -> None:
+def check_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype) -> None:
     _check_dequantize("dequantize_4bit", A, absmax, blocksize, quant_type, shape, dtype)
 
 
 @checks("dequantize_4bit.out")
-def dequantize_4bit_out(A, absmax, blocksize, quant_type, shape, dtype, out) -> None:
+def check_dequantize_4bit_out(A, absmax, blocksize, quant_type, shape, dtype, out) -> None:
     op = "dequantize_4bit.out"
     _check_dequantize(op, A, absmax, blocksize, quant_type, shape, dtype)
     v.tensor(op, "out", out, dtypes=(dtype,))
@@ -49,12 +56,13 @@ def _check_dequantize(op, A, absmax, blocksize, quant_type, shape, dtype) -> Non
     v.int_list(op, "shape", shape)
     v.dtype_arg(op, "dtype", dtype)
     n = math.prod(shape)
-    _packed_bytes(op, "A", A, n)
+    packed_bytes(op, "A", A, n)
     v.numel(op, "absmax", absmax, v.blocks(n, blocksize), at_least=True)
     v.same_device(op, A=A, absmax=absmax)
 
 
-def _packed_bytes(op, name, packed, n) -> None:
+def packed_bytes(op, name, packed, n) -> None:
+    """`packed` holds at least the ceil(n / 2) bytes of n packed 4-bit values."""
     need = (n + 1) // 2
     if v.nbytes(packed) < need:
         raise ValueError(
@@ -62,66 +70,64 @@ def _packed_bytes(op, name, packed, n) -> None:
         )
 
 
-def _check_matmul(op, A, B, shapeB, absmax, blocksize) -> None:
-    v.tensor(op, "A", A, dtypes=v.FLOATS, min_ndim=1)
-    v.tensor(op, "B", B, dtypes=GEMM_STORAGE_DTYPES)
-    v.int_list(op, "shapeB", shapeB)
-    if len(shapeB) != 2:
-        raise ValueError(f"{op}: shapeB must be [N, K] (2 sizes), got {list(shapeB)}")
-    if A.shape[-1] != shapeB[1]:
-        raise ValueError(f"{op}: A's last dimension ({A.shape[-1]}) must equal shapeB[1] = K ({shapeB[1]})")
-    v.blocksize(op, blocksize, v.BLOCKSIZES_4BIT)
-    v.tensor(op, "absmax", absmax, dtypes=(torch.float32,))
-    _packed_bytes(op, "B", B, shapeB[0] * shapeB[1])
+# -- kernels --------------------------------------------------------------------------------------
+
+# Dequantize: threads per threadgroup and packed bytes per threadgroup (4 per thread).
+_DEQUANT_THREADS = 256
+_DEQUANT_BYTES_PER_TG = 256 * 4
 
 
-@checks("gemv_4bit")
-def gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> None:
-    _check_gemv("gemv_4bit", A, B, shapeB, absmax, code, blocksize)
+def packed_shape(n: int, quant_storage: torch.dtype) -> tuple[int, int]:
+    """bitsandbytes' shape of the packed tensor: ((n + 1) // (2 * itemsize), 1)."""
+    return ((n + 1) // (2 * quant_storage.itemsize), 1)
 
 
-@checks("gemv_4bit.out")
-def gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out) -> None:
-    op = "gemv_4bit.out"
-    _check_gemv(op, A, B, shapeB, absmax, code, blocksize)
-    v.tensor(op, "out", out, dtypes=(A.dtype,))
-    v.shape(op, "out", out, (*A.shape[:-1], shapeB[0]))
-    v.same_device(op, A=A, out=out)
+@kernel("quantize_4bit")
+def quantize_4bit(executor, A, blocksize, quant_type, quant_storage):
+    n = A.numel()
+    check_size("quantize_4bit", "A", n)
+    nbytes = (n + 1) // 2
+    rows, _ = packed_shape(n, quant_storage)
+    itemsize = quant_storage.itemsize
+    # The kernel writes all ceil(n / 2) bytes; when that is not a multiple of the storage item
+    # size, bitsandbytes' shape drops the last partial item, so the buffer is rounded up and the
+    # result is a view of its first rows items.
+    storage = torch.empty(nbytes + (-nbytes) % itemsize, dtype=torch.uint8, device=A.device)
+    absmax = torch.empty(math.ceil(n / blocksize), dtype=torch.float32, device=A.device)
+    if n > 0:
+        grid, threadgroup = quantize_geometry(n, blocksize)
+        executor.launch(
+            f"bnb_quantize_4bit_{quant_type}_{DTYPE_NAMES[A.dtype]}_{blocksize}",
+            grid=grid,
+            threadgroup=threadgroup,
+            args=[aligned(A), storage, absmax, uint32(n)],
+        )
+    packed = storage.view(quant_storage)[:rows].reshape(rows, 1)
+    return packed, absmax
 
 
-def _check_gemv(op, A, B, shapeB, absmax, code, blocksize) -> None:
-    _check_matmul(op, A, B, shapeB, absmax, blocksize)
-    v.tensor(op, "code", code, dtypes=(torch.float32,))
-    v.numel(op, "code", code, 16)
-    v.numel(op, "absmax", absmax, v.blocks(shapeB[0] * shapeB[1], blocksize), at_least=True)
-    v.same_device(op, A=A, B=B, absmax=absmax, code=code)
+def _dequantize_into(executor, out, A, absmax, blocksize, quant_type) -> None:
+    n = out.numel()
+    if n == 0:
+        return
+    nbytes = (n + 1) // 2
+    executor.launch(
+        f"bnb_dequantize_4bit_{quant_type}_{DTYPE_NAMES[out.dtype]}",
+        grid=(math.ceil(nbytes / _DEQUANT_BYTES_PER_TG), 1, 1),
+        threadgroup=(_DEQUANT_THREADS, 1, 1),
+        args=[aligned(A).view(torch.uint8), flat(absmax), out, uint32(n), uint32(blocksize)],
+    )
 
 
-@checks("gemm_4bit")
-def gemm_4bit(
-    A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
-) -> None:
-    op = "gemm_4bit"
-    _check_matmul(op, A, B, shapeB, absmax, blocksize)
-    v.quant_type(op, quant_type)
-    nblocks = v.blocks(shapeB[0] * shapeB[1], blocksize)
-    if absmax_8bit is None:
-        if absmax_code is not None or absmax_offset is not None:
-            raise ValueError(f"{op}: absmax_code and absmax_offset are only used together with absmax_8bit")
-        v.numel(op, "absmax", absmax, nblocks, at_least=True)
-    else:
-        # Nested (double) quantization: absmax holds the per-256-block scales of absmax_8bit.
-        v.tensor(op, "absmax_8bit", absmax_8bit, dtypes=(torch.uint8,), ndim=1)
-        v.numel(op, "absmax_8bit", absmax_8bit, nblocks, at_least=True)
-        v.tensor(op, "absmax_code", absmax_code, dtypes=(torch.float32,), ndim=1)
-        v.numel(op, "absmax_code", absmax_code, 256)
-        v.tensor(op, "absmax_offset", absmax_offset, dtypes=v.FLOATS)
-        v.numel(op, "absmax_offset", absmax_offset, 1)
-        v.numel(op, "absmax", absmax, v.blocks(nblocks, 256), at_least=True)
-    if bias is not None:
-        v.tensor(op, "bias", bias, dtypes=(A.dtype,), ndim=1)
-        v.numel(op, "bias", bias, shapeB[0])
-    v.same_device(
-        op, A=A, B=B, absmax=absmax, bias=bias, absmax_8bit=absmax_8bit, absmax_code=absmax_code,
-        absmax_offset=absmax_offset,
-    )  # fmt: skip
+@kernel("dequantize_4bit")
+def dequantize_4bit(executor, A, absmax, blocksize, quant_type, shape, dtype):
+    check_size("dequantize_4bit", "shape", math.prod(shape))
+    out = torch.empty(tuple(shape), dtype=dtype, device=A.device)
+    _dequantize_into(executor, out, A, absmax, blocksize, quant_type)
+    return out
+
+
+@kernel("dequantize_4bit.out")
+def dequantize_4bit_out(executor, A, absmax, blocksize, quant_type, shape, dtype, out) -> None:
+    check_size("dequantize_4bit.out", "shape", math.prod(shape))
+    into(out, lambda target: _dequantize_into(executor, target, A, absmax, blocksize, quant_type))
