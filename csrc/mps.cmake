@@ -45,7 +45,7 @@ add_custom_command(
           --metal "${_bnb_generated}/bnb_mps_kernels.metal"
   DEPENDS ${_bnb_kernel_files}
           "${PROJECT_SOURCE_DIR}/bnb_mps/executors/_embed_kernels.py"
-          "${PROJECT_SOURCE_DIR}/bnb_mps/kernel_source.py"
+          "${PROJECT_SOURCE_DIR}/bnb_mps/msl/source.py"
   COMMENT "bnb_mps: embedding csrc/kernels into the native library"
   VERBATIM)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnb_mps import kernel_source
+from bnb_mps.msl import source as kernel_source
 from bnb_mps.executors import _embed_kernels, native
 from bnb_mps.executors.base import ExecutorUnavailable
 from bnb_mps.kernel_args import Scalar, float16, float32, int64, uint32

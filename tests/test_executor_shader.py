@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-from bnb_mps import kernel_source
+from bnb_mps.msl import source as kernel_source
 from bnb_mps.executors import shader
 from bnb_mps.executors.base import ExecutorUnavailable
 from bnb_mps.kernel_args import Scalar, bool_, float16, float32, int32, int64, uint32, uint64

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bnb_mps import kernel_source
+from bnb_mps.msl import source as kernel_source
 
 
 def write(tmp_path, name, text):

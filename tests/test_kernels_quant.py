@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spec_reference as ref
-from bnb_mps import kernel_source
+from bnb_mps.msl import source as kernel_source
 from bnb_mps.ops import call, op_packet
 from bnb_mps.ops import blockwise, fourbit
 from bnb_mps.ops.registry import OPS

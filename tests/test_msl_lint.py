@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bnb_mps import kernel_source, msl_lint
+from bnb_mps.msl import lint as msl_lint
+from bnb_mps.msl import source as kernel_source
 
 CASES = Path(__file__).parent / "lint_cases"
 BAD_CASES = sorted(p for p in CASES.glob("*.metal") if p.name != "clean.metal")

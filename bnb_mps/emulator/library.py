@@ -208,7 +208,7 @@ class Library:
 
 def load(source_or_path: Union[str, Path], *, compiler: str | None = None) -> Library:
     """A Library from MSL text, or from a path to a `.metal` file (local includes are not
-    resolved here: amalgamate first, see bnb_mps.kernel_source)."""
+    resolved here: amalgamate first, see bnb_mps.msl.source)."""
     if isinstance(source_or_path, Path) or (
         isinstance(source_or_path, str) and "\n" not in source_or_path and source_or_path.endswith((".metal", ".h"))
     ):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..msl_text import split_top_level, strip_comments
+from ..msl.text import split_top_level, strip_comments
 
 
 class PrepassError(ValueError):

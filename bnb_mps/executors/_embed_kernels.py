@@ -1,13 +1,13 @@
 """Build-time writer of the kernel source for the native library.
 
-The native executor compiles the same amalgamation as every other tier (`kernel_source.amalgamate`).
+The native executor compiles the same amalgamation as every other tier (`bnb_mps.msl.source.amalgamate`).
 CMake runs this file with the build's Python to write
 
 - a C++ header holding that text as a byte array (`kBnbMpsKernelSource`, `kBnbMpsKernelSourceSize`),
   compiled into `bnb_mps._native`; and, when asked,
 - the amalgamation as one `.metal` file, the input of an offline `xcrun metal` build.
 
-It loads `kernel_source.py` by path instead of importing the `bnb_mps` package, so that nothing
+It loads `msl/source.py` by path instead of importing the `bnb_mps` package, so that nothing
 beyond the standard library is needed at build time. Files are rewritten only when their content
 changes, so an unchanged kernel tree does not rebuild the module.
 
@@ -26,7 +26,7 @@ _PACKAGE = _HERE.parent
 
 
 def _kernel_source_module():
-    spec = importlib.util.spec_from_file_location("_bnb_mps_kernel_source", _PACKAGE / "kernel_source.py")
+    spec = importlib.util.spec_from_file_location("_bnb_mps_kernel_source", _PACKAGE / "msl" / "source.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""The `emulated` executor: the project's kernels (bnb_mps.kernel_source) run by the Metal-on-CPU
+"""The `emulated` executor: the project's kernels (bnb_mps.msl.source) run by the Metal-on-CPU
 emulator (bnb_mps.emulator). Used by the tests on every OS; selectable for debugging with
 BNB_MPS_EXECUTOR=emulated. Tensors must be CPU tensors (the op layer's CPU-key path).
 
@@ -31,7 +31,8 @@ class EmulatedExecutor:
 
     def _load(self):
         """Compiles the kernel source once per process (a missing source is reported at launch)."""
-        from .. import emulator, kernel_source
+        from .. import emulator
+        from ..msl import source as kernel_source
 
         with self._lock:
             if self._library is None and self._error is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .. import kernel_source
+from ..msl import source as kernel_source
 from ..kernel_args import Scalar
 from ._gpu_common import check_geometry, first_lines, mps_unavailable_reason
 from .base import Dim3, ExecutorUnavailable, KernelArg

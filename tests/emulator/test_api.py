@@ -119,7 +119,7 @@ def test_emulated_executor_settings():
 
 
 def test_emulated_executor_serves_the_project_kernels():
-    from bnb_mps import kernel_source
+    from bnb_mps.msl import source as kernel_source
     from bnb_mps.executors import emulated
 
     try:

@@ -18,12 +18,12 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 def kernel_dir() -> Path:
     """Where the `.metal` files are: inside an installed wheel, or in the source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels", here.parent / "csrc" / "kernels"):
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "kernels", package.parent / "csrc" / "kernels"):
         if candidate.is_dir() and any(candidate.glob("*.metal")):
             return candidate
     raise FileNotFoundError(
-        f"bnb_mps kernel sources not found (looked in {here / 'kernels'} and {here.parent / 'csrc' / 'kernels'})"
+        f"bnb_mps kernel sources not found (looked in {package / 'kernels'} and {package.parent / 'csrc' / 'kernels'})"
     )
 
 
