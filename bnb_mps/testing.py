@@ -14,23 +14,48 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Optional
 
+from dataclasses import dataclass
+from typing import Union
+
 from .executors.base import Dim3, Executor, KernelArg
+from .kernel_args import Scalar
+
+
+@dataclass(frozen=True)
+class BoundTensor:
+    """What a launch bound for one tensor argument (the tensor itself is not kept alive)."""
+
+    shape: tuple[int, ...]
+    dtype: object
+    device: str
+    byte_offset: int  # storage_offset * element_size: where the kernel's buffer starts
+    nbytes: int
+    contiguous: bool
+
+
+def describe_arg(arg: KernelArg) -> Union[BoundTensor, Scalar]:
+    if isinstance(arg, Scalar):
+        return arg
+    return BoundTensor(tuple(arg.shape), arg.dtype, arg.device.type, arg.storage_offset() * arg.element_size(),
+                       arg.numel() * arg.element_size(), arg.is_contiguous())
 
 
 class RecordingExecutor:
-    """Forwards launches to `inner` (if any) and records them: (kernel, grid, threadgroup, args)."""
+    """Forwards launches to `inner` (if any) and records them: (kernel, grid, threadgroup, args),
+    with tensor arguments recorded as `BoundTensor` descriptions, so that recording hundreds of
+    launches keeps no tensor alive."""
 
     def __init__(self, inner: Optional[Executor] = None, name: str = "recording"):
         self.inner = inner
         self.name = inner.name if inner is not None else name
-        self.launches: list[tuple[str, Dim3, Dim3, Sequence[KernelArg]]] = []
+        self.launches: list[tuple[str, Dim3, Dim3, list[Union[BoundTensor, Scalar]]]] = []
 
     @property
     def launched(self) -> list[str]:
         return [k for k, *_ in self.launches]
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
-        self.launches.append((kernel, tuple(grid), tuple(threadgroup), list(args)))
+        self.launches.append((kernel, tuple(grid), tuple(threadgroup), [describe_arg(a) for a in args]))
         if self.inner is not None:
             self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
 

@@ -78,4 +78,4 @@ def test_kernels_get_vector_aligned_buffers(name, label):
     for kernel, _, _, bound in recorder.launches:
         (vector_buffers,) = [v for prefix, v in VECTOR_BUFFERS.items() if kernel.startswith(prefix)]
         for i in vector_buffers:
-            assert (bound[i].storage_offset() * bound[i].element_size()) % 16 == 0, f"{kernel} buffer({i})"
+            assert bound[i].byte_offset % 16 == 0, f"{kernel} buffer({i})"
