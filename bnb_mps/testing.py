@@ -80,3 +80,61 @@ def use_emulated_kernels(**settings) -> Iterator[RecordingExecutor]:
             yield recorder
         finally:
             registration.unregister("CPU")
+
+
+class AllocationCounter:
+    """Counts the tensor storages that PyTorch ops create while it is active (views, in-place
+    updates and kernel launches create none), e.g. to check that an op allocates nothing beyond
+    its outputs. Works on every device, `meta` included.
+
+        with AllocationCounter() as alloc:
+            out = torch.ops.bitsandbytes.gemm_4bit(...)
+        assert alloc.bytes == out.numel() * out.element_size()
+
+    `allocations` lists (op name, bytes) for each new storage.
+    """
+
+    def __init__(self) -> None:
+        self.allocations: list[tuple[str, int]] = []
+        self._mode = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.allocations)
+
+    @property
+    def count(self) -> int:
+        return len(self.allocations)
+
+    def __enter__(self) -> "AllocationCounter":
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+        seen: set[int] = set()
+
+        def storages(tree) -> set[int]:
+            return {t.untyped_storage()._cdata for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = storages((args, kwargs))
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    storage = t.untyped_storage()
+                    if storage._cdata in inputs or storage._cdata in seen:
+                        continue
+                    seen.add(storage._cdata)
+                    counter.allocations.append((str(func), storage.nbytes()))
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
