@@ -1,0 +1,290 @@
+"""Kernel benchmarks, one family of ops at a time.
+
+On a Mac with a working mps device: time per call of each op on the tier bnb_mps selected, side by
+side with stock bitsandbytes' own mps path (bnb_mps unregistered for that measurement) and, where
+there is one, a dense PyTorch baseline; bandwidth achieved (the bytes an op must move, over its
+time) and the share of the chip's peak bandwidth (bnb_mps.chips). Weights larger than the chip's
+system-level cache are rotated between copies so that every call reads memory, not cache.
+
+Elsewhere: no GPU time can be measured, and the script says so. It runs each op's kernels on the
+emulated tier on small shapes and reports launches per call, bytes allocated per call beyond the
+outputs, and host reads (the op layer runs on `meta` tensors, where any read of data fails).
+
+    python scripts/bench_kernels.py [--families quant,...] [--short] [--json PATH] [--chart PATH]
+
+Families register in FAMILIES below: a function that yields Case objects for the given mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+# -- cases --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One op call to measure.
+
+    `make(device)` builds the arguments on `device` and returns a zero-argument function that calls
+    the op; `required_bytes` is what the op must move at least (inputs read + outputs written).
+    `stock` says whether stock bitsandbytes can run it on mps (for the side-by-side column), and
+    `baseline` optionally gives a dense PyTorch equivalent (`make`-style) for comparison.
+    """
+
+    family: str
+    name: str
+    make: Callable[[torch.device], Callable[[], object]]
+    required_bytes: int
+    stock: bool = True
+    baseline: Optional[Callable[[torch.device], Callable[[], object]]] = None
+    baseline_name: str = ""
+    results: dict = field(default_factory=dict)
+
+
+def _quant_cases(mode: str) -> Iterator[Case]:
+    """Blockwise 8-bit and NF4/FP4 quantize / dequantize (fp16, blocksize 64)."""
+    from bitsandbytes.functional import create_dynamic_map
+
+    rows, cols = (4096, 4096) if mode == "gpu" else (256, 256)
+    n = rows * cols
+    code = create_dynamic_map(signed=True)
+    blocks = math.ceil(n / 64)
+
+    def quant4(device):
+        A = torch.randn(rows, cols, dtype=torch.float16, device=device)
+        return lambda: torch.ops.bitsandbytes.quantize_4bit(A, 64, "nf4", torch.uint8)
+
+    def dequant4(device):
+        A = torch.randn(rows, cols, dtype=torch.float16)
+        packed, absmax = torch.ops.bitsandbytes.quantize_4bit(A, 64, "nf4", torch.uint8)
+        packed, absmax = packed.to(device), absmax.to(device)
+        return lambda: torch.ops.bitsandbytes.dequantize_4bit(packed, absmax, 64, "nf4", [rows, cols], torch.float16)
+
+    def quant8(device):
+        A = torch.randn(rows, cols, dtype=torch.float16, device=device)
+        c = code.to(device)
+        return lambda: torch.ops.bitsandbytes.quantize_blockwise(A, c, 64)
+
+    def dequant8(device):
+        A = torch.randn(rows, cols, dtype=torch.float16)
+        q, absmax = torch.ops.bitsandbytes.quantize_blockwise(A, code, 64)
+        q, absmax, c = q.to(device), absmax.to(device), code.to(device)
+        return lambda: torch.ops.bitsandbytes.dequantize_blockwise(q, absmax, c, 64, torch.float16)
+
+    shape = f"{rows}x{cols} f16 bs64"
+    yield Case("quant", f"quantize_4bit nf4 {shape}", quant4, 2 * n + n // 2 + 4 * blocks)
+    yield Case("quant", f"dequantize_4bit nf4 {shape}", dequant4, n // 2 + 4 * blocks + 2 * n)
+    yield Case("quant", f"quantize_blockwise {shape}", quant8, 2 * n + n + 4 * blocks)
+    # stock bitsandbytes has no mps kernel for dequantize_blockwise (its default one serves mps)
+    yield Case("quant", f"dequantize_blockwise {shape}", dequant8, n + 4 * blocks + 2 * n)
+
+
+#: family name -> function(mode) yielding its cases; mode is "gpu" (a Mac) or "emulated".
+FAMILIES: dict[str, Callable[[str], Iterator[Case]]] = {
+    "quant": _quant_cases,
+}
+
+# -- measuring on a Mac -------------------------------------------------------------------------------
+
+
+def time_mps(fn: Callable[[], object], *, warmup: int, iters: int, repeats: int) -> float:
+    """Median over `repeats` of the mean GPU time per call in milliseconds (mps events)."""
+    for _ in range(warmup):
+        fn()
+    torch.mps.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.mps.Event(enable_timing=True), torch.mps.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.mps.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+# Bytes of working set above which the system-level cache (at most 96 MB on current chips) cannot
+# hold the data: cases below it are rotated over enough copies to reach it.
+ROTATE_BYTES = 512 << 20
+
+
+def rotated(make: Callable[[torch.device], Callable[[], object]], device, required_bytes: int):
+    """A call function that cycles over enough independent copies of the case's data."""
+    copies = max(1, math.ceil(ROTATE_BYTES / max(required_bytes, 1)))
+    calls = [make(device) for _ in range(min(copies, 64))]
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(calls)
+        return calls[state["i"]]()
+
+    return call
+
+
+def measure_gpu(cases: list[Case], short: bool) -> None:
+    import bnb_mps
+    from bnb_mps import chips
+
+    chip = chips.detect()
+    device = torch.device("mps")
+    iters, repeats = (5, 3) if short else (20, 5)
+    for case in cases:
+        ours = rotated(case.make, device, case.required_bytes)
+        case.results["ms"] = time_mps(ours, warmup=3, iters=iters, repeats=repeats)
+        if case.stock:
+            bnb_mps.unregister()
+            try:
+                stock = rotated(case.make, device, case.required_bytes)
+                case.results["stock_ms"] = time_mps(stock, warmup=3, iters=iters, repeats=repeats)
+            except Exception as e:  # stock bitsandbytes cannot run this op on mps
+                case.results["stock_error"] = f"{type(e).__name__}: {e}"[:120]
+            finally:
+                bnb_mps.register()
+        if case.baseline is not None:
+            base = rotated(case.baseline, device, case.required_bytes)
+            case.results["baseline_ms"] = time_mps(base, warmup=3, iters=iters, repeats=repeats)
+        gbps = case.required_bytes / (case.results["ms"] * 1e-3) / 1e9
+        case.results["gbps"] = gbps
+        if chip is not None and chip.bandwidth_gbps:
+            case.results["pct_of_peak"] = 100 * gbps / chip.bandwidth_gbps
+
+
+# -- elsewhere: the emulated tier ---------------------------------------------------------------------
+
+
+def measure_emulated(cases: list[Case]) -> None:
+    from bnb_mps.testing import AllocationCounter, use_emulated_kernels
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    for case in cases:
+        call = case.make(cpu)
+        with use_emulated_kernels() as kernels:
+            call()  # warm-up: compiles the kernel library once
+            kernels.launches.clear()
+            with AllocationCounter() as alloc:
+                out = call()
+        outputs = sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor))  # fmt: skip
+        case.results["launches"] = len(kernels.launches)
+        case.results["kernels"] = sorted(set(kernels.launched))
+        case.results["extra_alloc_bytes"] = alloc.bytes - outputs
+        case.results["host_reads"] = _host_reads_on_meta(case, meta)
+
+
+def _host_reads_on_meta(case: Case, meta: torch.device) -> str:
+    """'none' when the op layer serves the call on meta tensors (which hold no data to read)."""
+    from bnb_mps import ops, registration
+    from bnb_mps.testing import RecordingExecutor
+
+    call = case.make(meta)
+    recorder = RecordingExecutor()
+    registration.register("Meta", executor=recorder, names=[n for n, op in ops.OPS.items() if op.kernel is not None])
+    try:
+        call()
+    except Exception as e:
+        return f"yes ({type(e).__name__}: {str(e)[:60]})"
+    finally:
+        registration.unregister("Meta")
+    return "none" if recorder.launches else "not checked (no kernel launched)"
+
+
+# -- output -------------------------------------------------------------------------------------------
+
+
+def table(cases: list[Case], mode: str) -> str:
+    if mode == "gpu":
+        head = "| op | ours ms | GB/s | % peak | stock bnb ms | speed-up vs stock | baseline ms |"
+        rows = [head, "|" + "---|" * 7]
+        for c in cases:
+            r = c.results
+            stock = f"{r['stock_ms']:.3f}" if "stock_ms" in r else r.get("stock_error", "n/a")
+            speedup = f"{r['stock_ms'] / r['ms']:.2f}x" if "stock_ms" in r else ""
+            base = f"{r['baseline_ms']:.3f} ({c.baseline_name})" if "baseline_ms" in r else ""
+            pct = f"{r['pct_of_peak']:.0f}%" if "pct_of_peak" in r else "?"
+            rows.append(f"| {c.name} | {r['ms']:.3f} | {r['gbps']:.1f} | {pct} | {stock} | {speedup} | {base} |")
+        return "\n".join(rows)
+    head = "| op | launches | bytes allocated beyond outputs | host reads | kernels |"
+    rows = [head, "|" + "---|" * 5]
+    for c in cases:
+        r = c.results
+        rows.append(f"| {c.name} | {r['launches']} | {r['extra_alloc_bytes']} | {r['host_reads']} | "
+                    f"{', '.join(r['kernels'])} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def chart(cases: list[Case], path: str) -> Optional[str]:
+    """Bar chart of GB/s (ours vs stock) per op; None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [c.name for c in cases]
+    ours = [c.results["gbps"] for c in cases]
+    stock = [c.required_bytes / (c.results["stock_ms"] * 1e-3) / 1e9 if "stock_ms" in c.results else 0 for c in cases]
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(cases) + 1.5))
+    y = range(len(cases))
+    ax.barh([i + 0.2 for i in y], ours, height=0.4, label="bnb-mps")
+    ax.barh([i - 0.2 for i in y], stock, height=0.4, label="stock bitsandbytes (mps)")
+    ax.set_yticks(list(y), names, fontsize=7)
+    ax.set_xlabel("GB/s (required bytes / time)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated families (default: all of {', '.join(FAMILIES)})")
+    parser.add_argument("--short", action="store_true", help="fewer repetitions (a quick look)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--chart", metavar="PATH", default="bench_kernels.png", help="PNG chart (Mac only)")
+    parser.add_argument("--no-chart", action="store_true")
+    ns = parser.parse_args(argv)
+    unknown = [f for f in ns.families.split(",") if f not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+
+    import bitsandbytes  # noqa: F401  (defines the ops and registers bnb_mps)
+
+    mode = "gpu" if torch.backends.mps.is_available() else "emulated"
+    cases = [c for f in ns.families.split(",") for c in FAMILIES[f](mode)]
+    if mode == "gpu":
+        import bnb_mps
+
+        tiers = {row["tier"] for row in bnb_mps.backend_info().values()}
+        print(f"tiers serving bitsandbytes ops here: {', '.join(sorted(tiers))}")
+        measure_gpu(cases, ns.short)
+    else:
+        print("No mps device: no GPU time was measured. The kernels ran on the emulated tier (small shapes);")
+        print("the table shows launches, allocations and host reads per call, not speed.\n")
+        measure_emulated(cases)
+    print(table(cases, mode))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"mode": mode, "cases": [{"family": c.family, "name": c.name, "required_bytes": c.required_bytes,
+                                                 **c.results} for c in cases]}, f, indent=2)  # fmt: skip
+    if mode == "gpu" and not ns.no_chart:
+        written = chart(cases, ns.chart)
+        print(f"\nchart: {written}" if written else "\n(no chart: matplotlib is not installed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
