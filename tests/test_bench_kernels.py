@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
 def bench():
     spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
 
