@@ -37,23 +37,29 @@ def unregister() -> None:
 
 
 def backend_info() -> dict[str, dict[str, str]]:
-    """For each bitsandbytes op: which tier serves it on `mps` ("native", "shader", "emulated",
-    "cpu", or "bitsandbytes" where bnb_mps left it alone) and why."""
+    """For each bitsandbytes op: what serves it on `mps` and why. The tier is "native", "shader"
+    or "emulated" (bnb_mps' Metal kernel), "bitsandbytes" (bitsandbytes' own implementation: its
+    mps kernel, its pure-PyTorch default kernel, or whatever it registered where bnb_mps left the
+    op alone) or "cpu" (bitsandbytes' CPU implementation with transfers)."""
     import torch
 
     if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
         import bitsandbytes  # noqa: F401  (defines the schemas and registers bnb_mps)
-    from . import executors, ops, registration
+    from . import ops, registration
 
     mine = set(registration.registered("MPS"))
+    skipped = registration.skipped()
     info: dict[str, dict[str, str]] = {}
     for name in registration.bitsandbytes_schemas():
         if name not in ops.OPS:
             tier, reason = "bitsandbytes", "schema unknown to this bnb_mps version"
+        elif name in skipped:
+            tier, reason = "bitsandbytes", skipped[name]
         elif registration.schema_mismatch(name):
             tier, reason = "bitsandbytes", registration.schema_mismatch(name)
         elif name in mine:
-            tier, reason = executors.describe(ops.OPS[name].kernel is not None)
+            r = ops.route(name)
+            tier, reason = r.tier, r.reason
         else:
             tier, reason = "bitsandbytes", "bnb_mps is not registered (bnb_mps.register() was undone)"
         info[name] = {"tier": tier, "reason": reason}

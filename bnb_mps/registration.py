@@ -6,8 +6,9 @@ bitsandbytes had before. This module is imported by bitsandbytes' entry point on
 `import bitsandbytes`, so it is kept tiny: the op layer is imported on the first op call.
 
 A schema bnb_mps does not know is left to bitsandbytes; so is a known one whose arguments differ
-from what bnb_mps expects (found on its first call). Both are reported by `unknown_schemas()` /
-`schema_mismatch()` and `python -m bnb_mps`.
+from what bnb_mps expects, and one whose route (`bnb_mps.ops.routing`) is bitsandbytes' own mps
+implementation: both are found on the op's first call and handed back then
+(`leave_to_bitsandbytes`). All are reported by `backend_info()` and `python -m bnb_mps`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _make_kernel(name: str, executor):
         if call is None:
             from .ops import dispatcher_entry  # the op layer, imported on first use
 
-            call = dispatcher_entry(name, executor)
+            call = dispatcher_entry(name, executor, None if executor is not None else leave_to_bitsandbytes)
         return call(args, kwargs)
 
     kernel.__name__ = kernel.__qualname__ = "bnb_mps_" + name.replace(".", "_")
@@ -121,13 +122,33 @@ def schema_mismatch(name: str):
     return None
 
 
-def leave_to_bitsandbytes(name: str, reason: str) -> None:
-    """Withdraw bnb_mps' kernels for one schema (every key), so bitsandbytes' own serve it."""
+def leave_to_bitsandbytes(name: str, reason: str):
+    """Withdraw bnb_mps' kernels for one schema (every key), so that bitsandbytes' own serve it;
+    returns a function that runs a call on the MPS key as the dispatcher now resolves it."""
     with _lock:
         _skipped[name] = reason
         for key in [k for k, names in _names.items() if name in names]:
             _libraries.pop(key)._destroy()
             _install(key, _executors[key], [n for n in _names[key] if n != name])
+    from .ops.registry import op_packet
+
+    packet = op_packet(name)
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.MPS)
+    return lambda *args, **kwargs: packet.redispatch(keyset, *args, **kwargs)
+
+
+def reinstate() -> list[str]:
+    """Register bnb_mps' kernels again for every schema it left to bitsandbytes (after the tier
+    selection changed, e.g. in tests); returns their names."""
+    with _lock:
+        names = list(_skipped)
+        _skipped.clear()
+        for key in list(_libraries):
+            missing = [n for n in names if n not in _names[key]]
+            if missing and _executors[key] is None:
+                _libraries.pop(key)._destroy()
+                _install(key, _executors[key], _names[key] + missing)
+        return names
 
 
 def unregister(dispatch_key: str = "MPS") -> None:

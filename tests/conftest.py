@@ -20,6 +20,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _bnb_mps_kernels_reinstated():
+    """Ops that a test's calls handed back to bitsandbytes (no GPU tier here) are registered
+    again afterwards, so that every test starts with bnb_mps' kernels in place."""
+    yield
+    from bnb_mps import registration
+
+    if registration.skipped():
+        registration.reinstate()
+
+
 @pytest.fixture
 def fresh_tier_selection(monkeypatch):
     """Let a test choose BNB_MPS_EXECUTOR; the tier choice is recomputed before and after."""

@@ -1,8 +1,9 @@
 """The CPU-transfer fallback returns exactly what bitsandbytes' CPU ops return.
 
 Every schema is called through `op.redispatch(DispatchKeySet(MPS), ...)` on CPU tensors, which
-reaches bnb_mps' MPS kernel (the fallback tier here), and compared with the stock op on copies of
-the same inputs, including every in-place update (parameters, states, absmax, `out`).
+reaches bnb_mps' MPS kernel (the fallback tier, forced with BNB_MPS_EXECUTOR=cpu), and compared
+with the stock op on copies of the same inputs, including every in-place update (parameters,
+states, absmax, `out`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from torch._C import DispatchKey, DispatchKeySet
 import op_inputs
 from bnb_mps import registration
 
+pytestmark = pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning")
+
 MPS = DispatchKeySet(DispatchKey.MPS)
+
+
+@pytest.fixture(autouse=True)
+def cpu_round_trip(fresh_tier_selection):
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "cpu")
+    yield
 ALL = list(registration.SCHEMAS)
 # bitsandbytes 0.50.2 has no CPU implementation of these; the fallback composes them (below).
 NO_STOCK_CPU = {"dequantize_blockwise.out", "dequantize_4bit.out", "gemv_4bit.out", "int8_double_quant"}

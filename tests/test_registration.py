@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import subprocess
@@ -109,9 +110,11 @@ def restore_registration():
     assert set(registration.registered("MPS")) == SCHEMAS_0_50
 
 
-def test_unregister_restores_bitsandbytes_kernels(restore_registration):
+def test_unregister_restores_bitsandbytes_kernels(restore_registration, fresh_tier_selection):
     """Stand in for bitsandbytes' own MPS kernel (it registers one on a Mac): ours overrides it
-    without a warning and unregistering brings it back."""
+    without a warning (here serving through the forced CPU round trip) and unregistering brings
+    it back."""
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "cpu")
     bnb_mps.unregister()
     assert not any(has_mps_kernel(n) for n in SCHEMAS_0_50)  # Linux: bitsandbytes has none
 
@@ -210,7 +213,7 @@ def test_backend_info_names_a_tier_and_reason_for_every_op(fresh_tier_selection)
     info = bnb_mps.backend_info()
     assert SCHEMAS_0_50 <= set(info)
     for name in SCHEMAS_0_50:
-        assert info[name]["tier"] in executors.TIERS and info[name]["reason"]
+        assert info[name]["tier"] in ops.routing.TIERS and info[name]["reason"]
 
 
 def test_forced_cpu_tier(fresh_tier_selection):
@@ -244,24 +247,24 @@ def test_slow_tier_message_once_per_process(fresh_tier_selection):
     assert "cpu tier" in msg and "native: not built" in msg and "pip install --no-build-isolation" in msg
 
 
-def test_mps_calls_trigger_the_message_and_cpu_calls_do_not(fresh_tier_selection, monkeypatch):
-    """The message is for mps tensors (simulated: the op layer is told the device is mps)."""
-    from bnb_mps import ops as op_layer
+def test_mps_calls_trigger_the_message_once_and_cpu_key_calls_do_not(fresh_tier_selection):
+    """Calls through the MPS key on a slower route say so once per process; the emulated
+    kernels registered for the CPU key (tests, debugging) never do."""
+    from bnb_mps.testing import use_emulated_kernels
 
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "cpu")
     code = torch.linspace(-1, 1, 256)
+    mps = torch._C.DispatchKeySet(torch._C.DispatchKey.MPS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(
-            torch._C.DispatchKeySet(torch._C.DispatchKey.MPS), torch.randn(64), code, 64
-        )
+        if importlib.util.find_spec("bnb_mps._emu") is not None:
+            with use_emulated_kernels():
+                torch.ops.bitsandbytes.quantize_blockwise(torch.randn(64), code, 64)
         assert not [w for w in caught if issubclass(w.category, executors.SlowTierWarning)]
-        monkeypatch.setattr(op_layer, "_device_type", lambda args: "mps")
         for _ in range(2):
-            torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(
-                torch._C.DispatchKeySet(torch._C.DispatchKey.MPS), torch.randn(64), code, 64
-            )
+            torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(mps, torch.randn(64), code, 64)
     slow = [w for w in caught if issubclass(w.category, executors.SlowTierWarning)]
-    assert len(slow) == 1 and "quantize_blockwise" in str(slow[0].message)
+    assert len(slow) == 1 and "quantize_blockwise" in str(slow[0].message) and "cpu tier" in str(slow[0].message)
 
 
 def test_diagnostics_command():
@@ -278,9 +281,10 @@ def test_forced_emulated_tier_serves_kernels_and_stages_other_devices(fresh_tier
     pytest.importorskip("bnb_mps._emu")
     fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "emulated")
     assert executors.selection().tier == "emulated"
-    assert executors.executor_for(True, "cpu").name == "emulated"
-    assert isinstance(executors.executor_for(True, "mps"), executors.StagedExecutor)
-    assert executors.executor_for(False, "mps") is None  # no kernel: CPU fallback
+    assert executors.executor_for("cpu").name == "emulated"
+    assert isinstance(executors.executor_for("mps"), executors.StagedExecutor)
+    for name, op in ops.OPS.items():
+        assert ops.route(name).tier == "emulated" if op.kernel is not None else ops.route(name).tier != "emulated"
 
     # Staging: tensors go to the host for the launch and every one comes back (the device is
     # simulated: "to host" is a copy here).

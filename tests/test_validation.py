@@ -1,4 +1,7 @@
-"""Bad input to any op on mps raises ValueError/TypeError naming the argument, before any copy."""
+"""Bad input to any op on mps raises ValueError/TypeError naming the argument, before any copy.
+
+The op layer serves these calls through the forced CPU round trip (on Linux, without it, ops that
+bitsandbytes can run on mps are handed back to bitsandbytes, whose own checks then apply)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,11 @@ MPS = DispatchKeySet(DispatchKey.MPS)
 def packet(name):
     base, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.bitsandbytes, base), overload or "default")
+
+
+@pytest.fixture(autouse=True)
+def cpu_round_trip(fresh_tier_selection):
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "cpu")
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,9 @@
 Tiers, in order of preference: native (the built Objective-C++ library), shader (the same kernels through
 `torch.mps.compile_shader`), emulated (the Metal-on-CPU emulator; debugging and tests only, never
 picked by default), cpu (the op-level CPU-transfer fallback). `BNB_MPS_EXECUTOR` forces one.
-Tiers are loaded lazily, once per process, on the first op or `backend_info()` call.
+Tiers are loaded lazily, once per process, on the first op or `backend_info()` call. Which of
+them serves a given op (or whether bitsandbytes' own implementation does) is the op layer's
+choice: `bnb_mps.ops.routing`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Selection:
     tier: str
     executor: Optional[Executor]
     reason: str
+    forced: bool = False  # chosen by BNB_MPS_EXECUTOR
 
 
 _lock = threading.Lock()
@@ -77,11 +80,11 @@ def _select() -> Selection:
             logger.warning("bnb_mps: ignoring %s=%r; expected one of %s", ENV_VAR, forced, ", ".join(TIERS))
             prefix = f"{ENV_VAR}={forced!r} is not a tier; "
         elif forced == "cpu":
-            return Selection("cpu", None, f"forced by {ENV_VAR}=cpu")
+            return Selection("cpu", None, f"forced by {ENV_VAR}=cpu", forced=True)
         else:
             executor = _try(forced)
             if executor is not None:
-                return Selection(forced, executor, f"forced by {ENV_VAR}={forced}")
+                return Selection(forced, executor, f"forced by {ENV_VAR}={forced}", forced=True)
             logger.warning("bnb_mps: %s=%s cannot be used: %s", ENV_VAR, forced, _load_errors[forced])
             prefix = f"{ENV_VAR}={forced} unavailable ({_load_errors[forced]}); "
     for name in GPU_TIERS:
@@ -137,34 +140,25 @@ class StagedExecutor:
                 a.copy_(s)
 
 
-def executor_for(has_kernel: bool, device_type: str) -> Optional[Executor]:
-    """The executor that runs an op's kernel on tensors of `device_type`, or None for the CPU fallback."""
+def executor_for(device_type: str) -> Executor:
+    """The selected executor, for kernels on tensors of `device_type` (call only when the
+    selection has an executor): the GPU tiers take mps tensors as they are; the emulated tier
+    runs CPU tensors directly and stages other devices' tensors through the CPU."""
     sel = selection()
-    if not has_kernel or sel.executor is None:
-        return None
-    if sel.tier in GPU_TIERS:
-        return sel.executor if device_type == "mps" else None
-    return sel.executor if device_type == "cpu" else StagedExecutor(sel.executor)
-
-
-def describe(has_kernel: bool) -> tuple[str, str]:
-    """(tier, reason) for an op on mps tensors."""
-    sel = selection()
-    if not has_kernel:
-        return "cpu", "no Metal kernel for this op yet: bitsandbytes' CPU implementation with transfers"
-    if sel.executor is None:
-        return "cpu", sel.reason
-    return sel.tier, sel.reason
+    if sel.tier in GPU_TIERS or device_type == "cpu":
+        return sel.executor
+    return StagedExecutor(sel.executor)
 
 
 def notify_slow_tier(op_name: str, tier: str, reason: str) -> None:
     """Say once per process that mps ops run on a slower tier, why, and how to get the fast one."""
     global _warned
-    if _warned or tier == "native":
-        return
+    if _warned or tier == "native" or selection().tier == "native":
+        return  # (with the native tier loaded, an op without a kernel is served as well as it can be)
     _warned = True
     what = {
         "cpu": "bitsandbytes' CPU implementation, with a copy to the CPU and back",
+        "bitsandbytes": "bitsandbytes' own implementation (bnb_mps stepped aside for this op)",
         "shader": "the same Metal kernels, compiled at run time by torch.mps.compile_shader",
         "emulated": "the Metal-on-CPU emulator (for debugging)",
     }.get(tier, tier)

@@ -1,4 +1,4 @@
-"""The op layer: validate, pick the tier, run.
+"""The op layer: validate, route, run.
 
 Device-agnostic Python that knows bitsandbytes (schemas, shapes, dtypes) and nothing of Metal.
 Importing this package fills `OPS` with every schema bnb_mps serves.
@@ -6,55 +6,62 @@ Importing this package fills `OPS` with every schema bnb_mps serves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
-
-import torch
 
 from .. import executors
 from ..executors import cpu as cpu_fallback
 from . import blockwise, fourbit, int8, matmul_4bit, optim  # noqa: F401  (each declares its ops)
 from .registry import OPS, OpDef, argument_spec, bind, op_packet
+from .routing import Route, route
 
-__all__ = ["OPS", "OpDef", "call", "dispatcher_entry", "op_packet"]
+__all__ = ["OPS", "OpDef", "Route", "call", "dispatcher_entry", "op_packet", "route"]
 
-
-def _device_type(args: list) -> str:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device.type
-    return "cpu"
+#: hand_back(name, reason) -> a callable that runs the op with bitsandbytes' own implementation
+#: (given by the registration, which withdraws bnb_mps' kernel for that op)
+HandBack = Callable[[str, str], Callable[..., object]]
 
 
 def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Optional[executors.Executor] = None):
-    """Serve one call of `op`. With `executor` given, its kernel runs there (no fallback)."""
+    """Serve one call of `op`: its kernel on `executor` when one is given (tests, the emulated
+    tier registered for the CPU key), else on its route's tier (kernel or CPU round trip)."""
     bound = bind(op.name, args, kwargs or {})
     op.check(*bound)
     if executor is not None:
         return op.kernel(executor, *bound)
-    device_type = _device_type(bound)
-    executor = executors.executor_for(op.kernel is not None, device_type)
-    if executor is not None:
-        if device_type == "mps" and executor.name != "native":
-            executors.notify_slow_tier(op.name, *executors.describe(True))
-        return op.kernel(executor, *bound)
-    if device_type == "mps":
-        executors.notify_slow_tier(op.name, *executors.describe(op.kernel is not None))
-    return cpu_fallback.run(op.name, bound)
+    r = route(op.name)
+    if r.tier != "native":
+        executors.notify_slow_tier(op.name, r.tier, r.reason)
+    if r.tier == "cpu":
+        return cpu_fallback.run(op.name, bound)
+    return op.kernel(executors.executor_for(_device_type(bound)), *bound)
 
 
-def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None):
-    """The function the dispatcher's kernel for schema `name` forwards to: `f(args, kwargs)`."""
-    from .. import registration
+def _device_type(args: list) -> str:
+    for a in args:
+        if hasattr(a, "device"):
+            return a.device.type
+    return "cpu"
 
+
+def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, hand_back: Optional[HandBack] = None):
+    """The function the dispatcher's kernel for schema `name` forwards to: `f(args, kwargs)`.
+
+    With `executor`, calls run the op's kernel there. Without, calls follow the op's route; on
+    the "bitsandbytes" route (and for a schema whose arguments changed) the op is handed back
+    with `hand_back`, once, and bitsandbytes' own implementation serves this call and later ones.
+    """
     op = OPS[name]
-    if tuple(arg for arg, _ in argument_spec(name)) != op.params:
-        # A bitsandbytes version whose schema bnb_mps does not know: hand the op back and let the
-        # dispatcher route this call (and later ones) to bitsandbytes' own kernel.
-        registration.leave_to_bitsandbytes(name, registration.schema_mismatch(name) or "schema changed")
-        packet = op_packet(name)
-        return lambda args, kwargs: packet(*args, **kwargs)
+    if executor is None and tuple(arg for arg, _ in argument_spec(name)) != op.params:
+        reason = "schema arguments changed: bnb_mps does not know this bitsandbytes version's " + name
+        return lambda args, kwargs: hand_back(name, reason)(*args, **kwargs)
 
     def entry(args: tuple, kwargs: dict):
+        if executor is None and hand_back is not None:
+            r = route(name)
+            if r.tier == "bitsandbytes":
+                executors.notify_slow_tier(name, r.tier, r.reason)
+                return hand_back(name, r.reason)(*args, **kwargs)
         return call(op, args, kwargs, executor)
 
     return entry

@@ -1,0 +1,83 @@
+"""Which implementation serves an op called on `mps`, decided per op from what is loaded and
+registered, never from tensor data.
+
+In order of preference:
+1. bnb_mps' own Metal kernel, on the tier the executors selected (native, shader, or a forced
+   emulated tier);
+2. bitsandbytes' own implementation that runs on mps: its mps backend kernel, or its
+   pure-PyTorch default kernel (route "bitsandbytes"); bnb_mps then withdraws its registration
+   for the op so that the dispatcher sends calls there directly;
+3. the CPU round trip (route "cpu"): bitsandbytes' CPU implementation with transfers, for ops
+   bitsandbytes cannot run on mps at all, or when BNB_MPS_EXECUTOR=cpu forces it.
+
+Installing bnb_mps therefore never makes an op slower than stock bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .. import executors
+from .registry import NAMESPACE, OPS
+
+#: tiers an op can be served by, fastest first
+TIERS = ("native", "shader", "emulated", "bitsandbytes", "cpu")
+
+
+@dataclass(frozen=True)
+class Route:
+    tier: str
+    reason: str
+
+
+_lock = threading.Lock()
+_routes: dict[str, Route] = {}
+_selection = None  # the executors.Selection the cached routes were computed for
+
+
+def bitsandbytes_mps_implementation(name: str) -> str | None:
+    """What of bitsandbytes' own would serve schema `name` on mps once bnb_mps' kernel is out of
+    the way ("its mps kernel", "its pure-PyTorch default kernel"), or None.
+
+    Read from the dispatcher's registrations while bnb_mps' MPS kernel is registered: another
+    MPS kernel then shows as "MPS (inactive)"; a default kernel is registered for
+    CompositeExplicitAutograd (or CompositeImplicitAutograd), which serves every device.
+    """
+    base, _, overload = name.partition(".")
+    dump = torch._C._dispatch_dump(f"{NAMESPACE}::{base}" + (f".{overload}" if overload else ""))
+    keys = {line.split(":", 1)[0] for line in dump.splitlines()}
+    if "MPS (inactive)" in keys:
+        return "bitsandbytes' own mps kernel"
+    if keys & {"CompositeExplicitAutograd[alias]", "CompositeImplicitAutograd[alias]"}:
+        return "bitsandbytes' pure-PyTorch default kernel, on the GPU"
+    return None
+
+
+def _compute(name: str, sel) -> Route:
+    op = OPS[name]
+    if op.kernel is not None and sel.executor is not None:
+        return Route(sel.tier, sel.reason)
+    if sel.forced and sel.tier == "cpu":
+        return Route("cpu", sel.reason)
+    why = "no Metal kernel for this op yet" if op.kernel is None else f"no GPU tier: {sel.reason}"
+    theirs = bitsandbytes_mps_implementation(name)
+    if theirs is not None:
+        return Route("bitsandbytes", f"{why}; {theirs} serves it")
+    return Route("cpu", f"{why}; bitsandbytes cannot run it on mps: its CPU implementation, with transfers")
+
+
+def route(name: str) -> Route:
+    """The route of op `name` on mps (cached until the executors' selection changes)."""
+    global _selection
+    sel = executors.selection()
+    with _lock:
+        if sel is not _selection:
+            _routes.clear()
+            _selection = sel
+        found = _routes.get(name)
+        if found is None:
+            found = _routes[name] = _compute(name, sel)
+        return found
