@@ -6,6 +6,7 @@ import argparse
 import importlib
 import platform
 import sys
+import textwrap
 
 
 def _version(module: str) -> str:
@@ -23,6 +24,23 @@ def _native_status() -> str:
     except Exception as e:
         return f"built but failed to load ({type(e).__name__}: {e})"
     return "built and importable"
+
+
+def op_table(info: dict[str, dict[str, str]], width: int = 100) -> list[str]:
+    """One row per op (name, tier, a short key of its reason); each distinct reason once below."""
+    keys: dict[str, str] = {}
+    for row in info.values():
+        keys.setdefault(row["reason"], f"[{len(keys) + 1}]")
+    name_width = max(map(len, info), default=10)
+    tier_width = max((len(row["tier"]) for row in info.values()), default=4)
+    out = [f"{'op':<{name_width}}  {'tier':<{tier_width}}  why", f"{'-' * name_width}  {'-' * tier_width}  ---"]
+    for name, row in info.items():
+        out.append(f"{name:<{name_width}}  {row['tier']:<{tier_width}}  {keys[row['reason']]}")
+    out.append("")
+    for reason, key in keys.items():
+        out += textwrap.wrap(reason, width=width, initial_indent=f"{key} ", subsequent_indent=" " * (len(key) + 1),
+                             break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    return out
 
 
 def diagnostics() -> str:
@@ -51,11 +69,7 @@ def diagnostics() -> str:
     lines.append(f"executor tier {sel.tier}" + (f" ({sel.reason})" if sel.executor is not None else ""))
     for tier, why in executors.load_errors().items():
         lines.append(f"  {tier:<9} unavailable: {why}")
-    info = bnb_mps.backend_info()
-    width = max(map(len, info), default=10)
-    lines += ["", f"{'op':<{width}}  tier          reason", f"{'-' * width}  ------------  ------"]
-    for name, row in info.items():
-        lines.append(f"{name:<{width}}  {row['tier']:<12}  {row['reason']}")
+    lines += [""] + op_table(bnb_mps.backend_info())
     unknown = registration.unknown_schemas()
     if unknown:
         lines += ["", "bitsandbytes schemas unknown to this bnb_mps (left to bitsandbytes): " + ", ".join(unknown)]

@@ -275,6 +275,18 @@ def test_diagnostics_command():
         assert needle in out
     for name in SCHEMAS_0_50:
         assert f"\n{name} " in out
+    # Each distinct reason once, under a short key; the table rows fit a terminal.
+    info = json.loads(subprocess.run([sys.executable, "-c", "import json, bnb_mps; print(json.dumps(bnb_mps.backend_info()))"],
+                                     capture_output=True, text=True, timeout=300).stdout)  # fmt: skip
+    rows = [ln for ln in out.splitlines() if ln.split(" ", 1)[0] in info]
+    assert len(rows) == len(info) and max(map(len, rows)) <= 100
+    keys = {ln.split()[-1] for ln in rows}
+    assert len(keys) == len({row["reason"] for row in info.values()})
+    flat = " ".join(out.split())
+    for key in keys:
+        assert flat.count(f"{key} ") == 1 + sum(1 for ln in rows if ln.split()[-1] == key)
+    for reason in {row["reason"] for row in info.values()}:
+        assert flat.count(" ".join(reason.split())) == 1
 
 
 def test_forced_emulated_tier_serves_kernels_and_stages_other_devices(fresh_tier_selection):
