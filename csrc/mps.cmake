@@ -17,22 +17,35 @@ endif()
 enable_language(OBJCXX)
 
 # --- torch -------------------------------------------------------------------------------------
-execute_process(
-  COMMAND "${Python_EXECUTABLE}" -c "import torch; print(torch.utils.cmake_prefix_path)"
-  OUTPUT_VARIABLE _bnb_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE
-  ERROR_VARIABLE _bnb_torch_error RESULT_VARIABLE _bnb_torch_status)
-if(NOT _bnb_torch_status EQUAL 0)
+include("${CMAKE_CURRENT_LIST_DIR}/torch_env.cmake")
+bnb_mps_query_torch("${Python_EXECUTABLE}" BNB_MPS_TORCH)
+if(NOT BNB_MPS_TORCH_FOUND)
   message(FATAL_ERROR "bnb_mps: the native Metal executor links against torch, but "
-                      "${Python_EXECUTABLE} cannot import it:\n${_bnb_torch_error}\n"
+                      "${Python_EXECUTABLE} cannot import it:\n${BNB_MPS_TORCH_ERROR}\n"
                       "Install torch in this environment and build with "
                       "`pip install --no-build-isolation -e .` (build isolation hides torch).")
 endif()
+bnb_mps_check_user_torch("${Python_EXECUTABLE}" BNB_MPS_TORCH)
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c "import torch; print(torch.utils.cmake_prefix_path)"
+  OUTPUT_VARIABLE _bnb_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE)
 list(APPEND CMAKE_PREFIX_PATH "${_bnb_torch_prefix}")
 find_package(Torch REQUIRED)
 # torch_python holds THPVariable_* (tensor <-> Python object), which the module uses.
 find_library(BNB_MPS_TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib"
              NO_DEFAULT_PATH REQUIRED)
 message(STATUS "bnb_mps: native executor links torch from ${TORCH_INSTALL_PREFIX}")
+
+# The build record: the torch this module is built against. bnb_mps.executors.native reads it
+# before importing the module and refuses a module built against another torch (or C++ ABI).
+set(_bnb_record "${CMAKE_CURRENT_BINARY_DIR}/_native_build.json")
+file(WRITE "${_bnb_record}"
+     "{\"torch_version\": \"${BNB_MPS_TORCH_VERSION}\", \"torch_cxx11_abi\": ${BNB_MPS_TORCH_CXX11_ABI}}\n")
+if(SKBUILD)
+  install(FILES "${_bnb_record}" DESTINATION ${BNB_MPS_INSTALL_DIR})
+else()
+  file(COPY "${_bnb_record}" DESTINATION "${BNB_MPS_OUTPUT_DIR}")
+endif()
 
 # --- kernel source, embedded -------------------------------------------------------------------
 set(_bnb_generated "${CMAKE_CURRENT_BINARY_DIR}/bnb_mps_generated")
@@ -59,6 +72,8 @@ target_include_directories(_native PRIVATE "${CMAKE_CURRENT_LIST_DIR}" "${_bnb_g
 target_link_libraries(_native PRIVATE torch "${BNB_MPS_TORCH_PYTHON_LIBRARY}"
                       "-framework Metal" "-framework Foundation")
 target_compile_options(_native PRIVATE $<$<COMPILE_LANGUAGE:OBJCXX>:-fobjc-arc>)
+target_compile_definitions(_native PRIVATE BNB_MPS_TORCH_VERSION="${BNB_MPS_TORCH_VERSION}"
+                           BNB_MPS_TORCH_CXX11_ABI=${BNB_MPS_TORCH_CXX11_ABI})
 set_target_properties(_native PROPERTIES
   OBJCXX_STANDARD 20                 # torch >= 2.10 headers need C++20; older ones accept it
   OBJCXX_STANDARD_REQUIRED ON
@@ -70,12 +85,13 @@ set_target_properties(_native PROPERTIES
 bnb_mps_place_module(_native)
 
 # --- optional offline metallib -----------------------------------------------------------------
-# Needs Xcode's Metal toolchain (the Command Line Tools alone have no `metal`). Same source, safe
-# math (-fno-fast-math), MSL 3.1. A failure here only warns: the module then compiles the embedded
-# source at run time instead.
-execute_process(COMMAND xcrun -sdk macosx -f metal
-                OUTPUT_QUIET ERROR_QUIET RESULT_VARIABLE _bnb_metal_status)
-if(_bnb_metal_status EQUAL 0)
+# Needs Xcode's Metal toolchain (the Command Line Tools alone have no working `metal`), probed by
+# compiling a one-line kernel (csrc/metal_toolchain.cmake). Same source and flags everywhere: safe
+# math, MSL 3.1, macOS 14 minimum. A failure of the real build only warns: the module then
+# compiles the embedded source at run time instead.
+include("${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake")
+bnb_mps_probe_metal_compiler(_bnb_metal_ok _bnb_metal_why "${CMAKE_CURRENT_BINARY_DIR}/bnb_mps_metal_probe")
+if(_bnb_metal_ok)
   if(SKBUILD)
     set(_bnb_metallib "${_bnb_generated}/bnb_mps_kernels.metallib")
     install(FILES "${_bnb_metallib}" DESTINATION "${BNB_MPS_INSTALL_DIR}" OPTIONAL)
@@ -83,16 +99,18 @@ if(_bnb_metal_status EQUAL 0)
     set(_bnb_metallib "${BNB_MPS_OUTPUT_DIR}/bnb_mps_kernels.metallib")
   endif()
   set(_bnb_air "${_bnb_generated}/bnb_mps_kernels.air")
+  string(REPLACE ";" " " _bnb_metal_flags "${BNB_MPS_METAL_FLAGS}")
   add_custom_command(
     OUTPUT "${_bnb_metallib}"
-    COMMAND /bin/sh -c "xcrun -sdk macosx metal -std=metal3.1 -fno-fast-math -c \"$0\" -o \"$1\" && xcrun -sdk macosx metallib \"$1\" -o \"$2\" || { echo 'bnb_mps: warning: offline metallib build failed; the native library will compile the kernel source at run time' >&2; rm -f \"$2\"; }"
+    COMMAND /bin/sh -c "xcrun -sdk macosx metal ${_bnb_metal_flags} -c \"$0\" -o \"$1\" && xcrun -sdk macosx metallib \"$1\" -o \"$2\" || { echo 'bnb_mps: warning: offline metallib build failed; the native library will compile the kernel source at run time' >&2; rm -f \"$2\"; }"
             "${_bnb_generated}/bnb_mps_kernels.metal" "${_bnb_air}" "${_bnb_metallib}"
     DEPENDS "${_bnb_generated}/bnb_mps_kernels.metal"
     COMMENT "bnb_mps: building bnb_mps_kernels.metallib with xcrun metal"
     VERBATIM)
   add_custom_target(bnb_mps_metallib ALL DEPENDS "${_bnb_metallib}")
-  message(STATUS "bnb_mps: xcrun metal found; building bnb_mps_kernels.metallib")
+  message(STATUS "bnb_mps: kernel library: offline metallib (xcrun metal works; ${BNB_MPS_METAL_STD}, "
+                 "macOS >= ${BNB_MPS_METAL_MACOS_MIN}), with the embedded source as fallback")
 else()
-  message(STATUS "bnb_mps: xcrun metal not found; the native library compiles its embedded kernel "
-                 "source at run time")
+  message(STATUS "bnb_mps: kernel library: compiled from the embedded source at run time (no offline "
+                 "metallib: ${_bnb_metal_why})")
 endif()

@@ -26,6 +26,12 @@
 
 #include "bnb_mps_kernels_embedded.h"  // generated at build time by bnb_mps/executors/_embed_kernels.py
 
+// The torch this module is compiled against (csrc/mps.cmake); the Python side compares it with
+// the running torch before trusting the module.
+#if !defined(BNB_MPS_TORCH_VERSION) || !defined(BNB_MPS_TORCH_CXX11_ABI)
+#error "BNB_MPS_TORCH_VERSION and BNB_MPS_TORCH_CXX11_ABI must be defined by the build (csrc/mps.cmake)"
+#endif
+
 namespace bnb_mps {
 namespace {
 
@@ -299,6 +305,8 @@ std::vector<bnb_mps::KernelArg> to_kernel_args(const py::sequence& args) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "bnb_mps native Metal executor (see csrc/mps_ops.h)";
+  m.attr("BUILT_WITH_TORCH") = BNB_MPS_TORCH_VERSION;
+  m.attr("BUILT_WITH_CXX11_ABI") = static_cast<bool>(BNB_MPS_TORCH_CXX11_ABI);
 
   py::class_<bnb_mps::KernelLibrary, std::shared_ptr<bnb_mps::KernelLibrary>>(m, "KernelLibrary")
       .def_property_readonly("origin", &bnb_mps::KernelLibrary::origin)

@@ -40,6 +40,7 @@ trap 'rm -rf "$generated"' EXIT
   -fobjc-arc -fobjc-runtime=macosx-14.0 -fblocks \
   -Werror -Wall -Wextra -Wno-unused-parameter \
   -D__MAC_15_0=150000 \
+  -DBNB_MPS_TORCH_VERSION='"syntax-check"' -DBNB_MPS_TORCH_CXX11_ABI=1 \
   -isystem "$root/tests/native_stubs" \
   -isystem "$torch_include" -isystem "$torch_include/torch/csrc/api/include" \
   -isystem "$python_include" \

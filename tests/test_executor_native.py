@@ -56,6 +56,60 @@ def test_load_says_not_built_and_how_to_build():
     assert "cmake -DCOMPUTE_BACKEND=mps" in message
 
 
+# --- the build record: a module built against another torch is refused before import ------------
+
+
+def write_record(path: Path, version: str, abi: int) -> Path:
+    path.write_text(f'{{"torch_version": "{version}", "torch_cxx11_abi": {abi}}}\n')
+    return path
+
+
+def test_build_record_matches_only_the_same_torch_and_abi(tmp_path):
+    rec = write_record(tmp_path / native.BUILD_RECORD, "2.13.0", 1)
+    assert native.build_mismatch(rec, ("2.13.0", True)) is None
+    assert "built against torch 2.13.0" in native.build_mismatch(rec, ("2.14.1", True))
+    assert "runs torch 2.13.0 (C++11 ABI 0)" in native.build_mismatch(rec, ("2.13.0", False))
+    assert "no build record" in native.build_mismatch(tmp_path / "missing.json", ("2.13.0", True))
+    (tmp_path / "bad.json").write_text("{not json")
+    assert "unreadable" in native.build_mismatch(tmp_path / "bad.json", ("2.13.0", True))
+
+
+@pytest.mark.parametrize("record", ["other torch", "missing"])
+def test_load_refuses_a_module_built_against_another_torch_before_importing_it(tmp_path, monkeypatch, record):
+    """A stand-in built module (its file and build record): load() reads the record first and
+    never imports a mismatched module; the reason names both torches and the rebuild command."""
+    module_file = tmp_path / "_native.cpython-311-darwin.so"
+    module_file.write_bytes(b"")
+    if record == "other torch":
+        write_record(tmp_path / native.BUILD_RECORD, "2.9.0", 0)
+    spec = types.SimpleNamespace(origin=str(module_file))
+    monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: spec if name == native.NATIVE_MODULE else None)
+
+    def no_import(name, *a, **k):
+        raise AssertionError(f"{name} was imported despite its build record")
+
+    monkeypatch.setattr(native.importlib, "import_module", no_import)
+    with pytest.raises(ExecutorUnavailable) as info:
+        native.load()
+    message = str(info.value)
+    assert "does not match this torch" in message and "pip install --no-build-isolation -e ." in message
+    if record == "other torch":
+        assert "built against torch 2.9.0" in message and f"runs torch {torch.__version__}" in message
+
+
+def test_load_refuses_a_module_whose_compiled_in_torch_differs(tmp_path, monkeypatch):
+    """Belt and braces: a matching record but a module compiled against another torch."""
+    module_file = tmp_path / "_native.so"
+    module_file.write_bytes(b"")
+    version, abi = native.running_torch()
+    write_record(tmp_path / native.BUILD_RECORD, version, int(abi))
+    monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=str(module_file)))
+    fake = types.SimpleNamespace(BUILT_WITH_TORCH="1.0.0", BUILT_WITH_CXX11_ABI=abi)
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: fake)
+    with pytest.raises(ExecutorUnavailable, match="compiled against torch 1.0.0"):
+        native.load()
+
+
 # --- launch(): geometry and arguments ------------------------------------------------------------
 
 

@@ -10,6 +10,8 @@ everything else happens in C++.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +29,8 @@ BUILD_HINT = (
 )
 METALLIB_NAME = "bnb_mps_kernels.metallib"
 NATIVE_MODULE = "bnb_mps._native"
+#: written next to the module by the build (csrc/mps.cmake): the torch it was compiled against
+BUILD_RECORD = "_native_build.json"
 
 
 class NativeExecutor:
@@ -96,19 +100,49 @@ def _open_library(native):
         raise ExecutorUnavailable(f"the kernel source does not compile for Metal:\n{first_lines(e)}") from None
 
 
+def running_torch() -> tuple[str, bool]:
+    """(version, C++11 ABI) of the torch in this process."""
+    return torch.__version__, bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False))
+
+
+def build_mismatch(record_path: Path, running: tuple[str, bool]) -> str | None:
+    """Why a native module with this build record must not be loaded with the `running` torch
+    (version, C++11 ABI), or None when it matches. A module compiled against one torch links to
+    that torch's C++ symbols: with another one it fails to load, or worse, misbehaves."""
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        built = (str(record["torch_version"]), bool(record["torch_cxx11_abi"]))
+    except FileNotFoundError:
+        return f"it has no build record ({record_path.name}) saying which torch it was built against"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its build record {record_path} is unreadable ({type(e).__name__}: {e})"
+    if built != running:
+        return (f"it was built against torch {built[0]} (C++11 ABI {int(built[1])}), but this process runs "
+                f"torch {running[0]} (C++11 ABI {int(running[1])})")
+    return None
+
+
 def load() -> NativeExecutor:
     """A ready native executor, or ExecutorUnavailable saying what is missing and how to fix it."""
+    spec = importlib.util.find_spec(NATIVE_MODULE)
+    if spec is None or not spec.origin:
+        raise ExecutorUnavailable(f"native library not built; {BUILD_HINT}")
+    mismatch = build_mismatch(Path(spec.origin).with_name(BUILD_RECORD), running_torch())
+    if mismatch is not None:  # checked before importing: a mismatched module may not even load
+        raise ExecutorUnavailable(f"the native library does not match this torch: {mismatch}; rebuild it: {BUILD_HINT}")
     try:
         _native = importlib.import_module(NATIVE_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name != NATIVE_MODULE:
-            raise
-        raise ExecutorUnavailable(f"native library not built; {BUILD_HINT}") from None
-    except ImportError as e:  # built, but against another torch or Python
+    except ImportError as e:  # built, but against another Python
         raise ExecutorUnavailable(
             f"native library present but does not load ({first_lines(e, 3)}); rebuild it against "
             f"the installed torch: {BUILD_HINT}"
         ) from None
+    built = (getattr(_native, "BUILT_WITH_TORCH", None), getattr(_native, "BUILT_WITH_CXX11_ABI", None))
+    if built != running_torch():
+        raise ExecutorUnavailable(
+            f"the native library was compiled against torch {built[0]} but this process runs torch "
+            f"{torch.__version__}; rebuild it: {BUILD_HINT}"
+        )
     if not torch.backends.mps.is_available():
         raise ExecutorUnavailable(f"MPS is not available: {mps_unavailable_reason()}")
     return NativeExecutor(_open_library(_native))
