@@ -302,3 +302,25 @@ def test_no_hidden_host_reads_on_meta():
         ("bnb_quantize_4bit_nf4_bf16_32", (12, 1, 1), (128, 1, 1)),
         ("bnb_dequantize_4bit_nf4_f32", (2, 1, 1), (256, 1, 1)),
     ]
+
+
+@pytest.mark.parametrize("blocksize", (64, 256, 1024))
+def test_8bit_quantize_with_a_capped_grid_loops_over_chunks(library, monkeypatch, blocksize):
+    """Threadgroups that take several chunks each (the grid cap that bounds how often the
+    thresholds are built), under every lane order, race checking and both poison bytes."""
+    monkeypatch.setattr(blockwise, "MAX_QUANTIZE8_THREADGROUPS", 3)
+    n = n_for(blocksize, 13, 7)  # 14 blocks: 4 chunks per threadgroup for blocksize 64
+    for order, poison in (("forward", 0xFF), ("reverse", 0x00), ("random", 0x5A)):
+        ex = EmulatedExecutor(library, order=order, race_check=True, poison=poison, seed=3)
+        for dtype in ref.DTYPES:
+            check_8bit(ex, make_input(n, dtype, blocksize, seed=blocksize), blocksize)
+    rec = []
+
+    class Recorder:
+        name = "recording"
+
+        def launch(self, kernel, *, grid, threadgroup, args):
+            rec.append(grid)
+
+    blockwise.quantize_blockwise(Recorder(), torch.empty(n, device="meta"), torch.empty(256, device="meta"), blocksize)
+    assert rec == [(3, 1, 1)]

@@ -63,15 +63,25 @@ _DEQUANT_THREADS = 256
 _DEQUANT_ELEMS_PER_TG = 256 * 8
 
 
-def quantize_geometry(n: int, blocksize: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+# The 8-bit quantize kernel builds its 255 thresholds in threadgroup memory once per threadgroup;
+# its grid is capped so that large tensors do not rebuild them per chunk: each threadgroup then
+# loops over several chunks. 1024 threadgroups of 64-512 threads exceed what the largest Apple
+# GPU keeps resident, so the cap costs no parallelism.
+MAX_QUANTIZE8_THREADGROUPS = 1024
+
+
+def quantize_geometry(n: int, blocksize: int, max_groups: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid, threadgroup) of the blockwise quantize kernels (8-bit and 4-bit): 4 simdgroups of
     independent blocks (or of pairs of 32-element blocks) per threadgroup up to blocksize 256, one
-    block per threadgroup of blocksize / 8 threads above."""
+    block per threadgroup of blocksize / 8 threads above; at most `max_groups` threadgroups."""
     if blocksize <= 256:
         threads, elems = 128, 4 * max(blocksize, 64)
     else:
         threads, elems = blocksize // 8, blocksize
-    return (math.ceil(n / elems), 1, 1), (threads, 1, 1)
+    groups = math.ceil(n / elems)
+    if max_groups is not None:
+        groups = min(groups, max_groups)
+    return (groups, 1, 1), (threads, 1, 1)
 
 
 @kernel("quantize_blockwise")
@@ -82,7 +92,7 @@ def quantize_blockwise(executor, A: torch.Tensor, code: torch.Tensor, blocksize:
     absmax = torch.empty(math.ceil(n / blocksize), dtype=torch.float32, device=A.device)
     if n == 0:
         return out, absmax
-    grid, threadgroup = quantize_geometry(n, blocksize)
+    grid, threadgroup = quantize_geometry(n, blocksize, MAX_QUANTIZE8_THREADGROUPS)
     executor.launch(
         f"bnb_quantize_blockwise_{DTYPE_NAMES[A.dtype]}_{blocksize}",
         grid=grid,
@@ -100,7 +110,7 @@ def _dequantize_into(executor, out, A, absmax, code, blocksize) -> None:
         f"bnb_dequantize_blockwise_{DTYPE_NAMES[out.dtype]}",
         grid=(math.ceil(n / _DEQUANT_ELEMS_PER_TG), 1, 1),
         threadgroup=(_DEQUANT_THREADS, 1, 1),
-        args=[aligned(A), flat(code), flat(absmax), out, uint32(n), uint32(blocksize)],
+        args=[aligned(A), flat(code), flat(absmax), out, uint32(n), uint32(blocksize.bit_length() - 1)],
     )
 
 

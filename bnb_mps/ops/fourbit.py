@@ -115,7 +115,7 @@ def _dequantize_into(executor, out, A, absmax, blocksize, quant_type) -> None:
         f"bnb_dequantize_4bit_{quant_type}_{DTYPE_NAMES[out.dtype]}",
         grid=(math.ceil(nbytes / _DEQUANT_BYTES_PER_TG), 1, 1),
         threadgroup=(_DEQUANT_THREADS, 1, 1),
-        args=[aligned(A).view(torch.uint8), flat(absmax), out, uint32(n), uint32(blocksize)],
+        args=[aligned(A).view(torch.uint8), flat(absmax), out, uint32(n), uint32(blocksize.bit_length() - 1)],
     )
 
 

@@ -93,13 +93,16 @@ template <typename T, uint BLOCKSIZE, uint QUANT>
     }
     uint b[W / 2u];
     for (uint i = 0; i < W / 2u; ++i) {
-        b[i] = (bnb_4bit_index<QUANT>(v[2u * i] * r) << 4) | bnb_4bit_index<QUANT>(v[2u * i + 1u] * r);
+        // An all-zero block is stored as nibbles 0 explicitly (0 * inf = NaN would give them too,
+        // but not under every math mode).
+        b[i] = bits == 0u ? 0u
+                          : (bnb_4bit_index<QUANT>(v[2u * i] * r) << 4) | bnb_4bit_index<QUANT>(v[2u * i + 1u] * r);
     }
     bnb_store_bytes<W / 2u>(packed, first / 2u, (n + 1u) / 2u, b);
 }
 
-// dequantize_4bit: out[i] = T(table[nibble_i] * absmax[i / blocksize]), nibble 2j the high
-// nibble of byte j. Launch: 256 threads per threadgroup, ceil(ceil(n / 2) / 1024) threadgroups
+// dequantize_4bit: out[i] = T(table[nibble_i] * absmax[i >> blocksize_log2]), nibble 2j the
+// high nibble of byte j (blocksizes are powers of two: a shift, not a division, per element). Launch: 256 threads per threadgroup, ceil(ceil(n / 2) / 1024) threadgroups
 // (1-D); each thread handles a run of 4 bytes (one 4-byte load, 8 elements in two 4-element
 // stores when all are in range).
 #define BNB_DEQUANT4_THREADS 256u
@@ -111,7 +114,7 @@ template <typename T, uint QUANT>
     device const float* absmax [[buffer(1)]],
     device T* out [[buffer(2)]],
     constant uint& n [[buffer(3)]],
-    constant uint& blocksize [[buffer(4)]],
+    constant uint& blocksize_log2 [[buffer(4)]],
     uint tg [[threadgroup_position_in_grid]],
     uint tid [[thread_position_in_threadgroup]]) {
     const uint nbytes = (n + 1u) / 2u;
@@ -130,7 +133,7 @@ template <typename T, uint QUANT>
     float v[8];
     for (uint k = 0; k < 4u; ++k) {
         // blocksize is even: both nibbles of a byte share a block.
-        const float scale = absmax[min(2u * (j + k), n - 1u) / blocksize];
+        const float scale = absmax[min(2u * (j + k), n - 1u) >> blocksize_log2];
         v[2u * k] = bnb_4bit_value<QUANT>(bytes[k] >> 4) * scale;
         v[2u * k + 1u] = bnb_4bit_value<QUANT>(bytes[k] & 15u) * scale;
     }

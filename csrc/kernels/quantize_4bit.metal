@@ -19,7 +19,7 @@
 //   buffer(1) absmax     device const float*  ceil(n / blocksize) block scales
 //   buffer(2) out        device <dt>*         n values
 //   buffer(3) n          constant uint&
-//   buffer(4) blocksize  constant uint&       any positive even blocksize
+//   buffer(4) blocksize_log2  constant uint&  log2 of the blocksize (a power of two, >= 2)
 //   threadgroup: (256, 1, 1)
 //   grid:        (ceil(ceil(n / 2) / 1024), 1, 1) threadgroups
 #include "quantize_4bit.h"

@@ -30,8 +30,10 @@ inline void bnb_load_thresholds(const device float* code, threadgroup float* thr
 }
 
 // quantize_blockwise: out[i] = index of A[i] / absmax[block], absmax[block] = max |A| over the block.
-// Launch: BNB_QUANT_THREADS(BLOCKSIZE) threads per threadgroup,
-// ceil(n / BNB_QUANT_TG_ELEMS(BLOCKSIZE)) threadgroups (1-D).
+// Launch: BNB_QUANT_THREADS(BLOCKSIZE) threads per threadgroup, min(ceil(n / E), G) threadgroups
+// (1-D) with E = BNB_QUANT_TG_ELEMS(BLOCKSIZE) and any G >= 1: threadgroup t quantizes the
+// E-element chunks t, t + G, t + 2G, ... The 255 thresholds are built once per threadgroup, so a
+// bounded grid builds them a bounded number of times however large the tensor.
 template <typename T, uint BLOCKSIZE>
 [[kernel]] void bnb_quantize_blockwise(
     device const T* A [[buffer(0)]],
@@ -40,6 +42,7 @@ template <typename T, uint BLOCKSIZE>
     device float* absmax [[buffer(3)]],
     constant uint& n [[buffer(4)]],
     uint tg [[threadgroup_position_in_grid]],
+    uint groups [[threadgroups_per_grid]],
     uint tid [[thread_position_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
@@ -50,32 +53,40 @@ template <typename T, uint BLOCKSIZE>
     bnb_load_thresholds(code, thresholds, tid, BNB_QUANT_THREADS(BLOCKSIZE));
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    const uint start = bnb_slice_start<BLOCKSIZE>(tg, sg);
-    const uint first = start + lane * PER_LANE;  // this lane's run of PER_LANE elements
-    float v[PER_LANE];
-    bnb_load_run<PER_LANE>(A, first, n, v);
-    uint bits = 0u;
-    for (uint i = 0; i < PER_LANE; ++i) {
-        bits = max(bits, bnb_abs_bits(v[i]));
-    }
-    bits = bnb_block_max_bits<BLOCKSIZE>(bits, 0u, lane, sg, partial);
+    const uint chunks = n / BNB_QUANT_TG_ELEMS(BLOCKSIZE) + (n % BNB_QUANT_TG_ELEMS(BLOCKSIZE) != 0u ? 1u : 0u);
+    for (uint chunk = tg; chunk < chunks; chunk += groups) {  // uniform over the threadgroup
+        const uint start = bnb_slice_start<BLOCKSIZE>(chunk, sg);
+        const uint first = start + lane * PER_LANE;  // this lane's run of PER_LANE elements
+        float v[PER_LANE];
+        bnb_load_run<PER_LANE>(A, first, n, v);
+        uint bits = 0u;
+        for (uint i = 0; i < PER_LANE; ++i) {
+            bits = max(bits, bnb_abs_bits(v[i]));
+        }
+        bits = bnb_block_max_bits<BLOCKSIZE>(bits, 0u, lane, sg, partial);
 
-    const float amax = as_type<float>(bits);
-    // Precise reciprocal, then a float32 product: the codes must not depend on fast-math.
-    // amax == 0 gives r = inf and s = 0 * inf = NaN, hence index 0.
-    const float r = metal::precise::divide(1.0f, amax);
-    const uint block = start / BLOCKSIZE;
-    if (lane == 0u && start % BLOCKSIZE == 0u && block < bnb_num_blocks<BLOCKSIZE>(n)) {
-        absmax[block] = amax;
+        const float amax = as_type<float>(bits);
+        // Precise reciprocal, then a float32 product: the codes must not depend on fast-math.
+        const float r = metal::precise::divide(1.0f, amax);
+        const uint block = start / BLOCKSIZE;
+        if (lane == 0u && start % BLOCKSIZE == 0u && block < bnb_num_blocks<BLOCKSIZE>(n)) {
+            absmax[block] = amax;
+        }
+        uint q[PER_LANE];
+        for (uint i = 0; i < PER_LANE; ++i) {
+            // An all-zero block gets index 0 explicitly (0 * inf = NaN would give it too, but
+            // not under every math mode).
+            q[i] = bits == 0u ? 0u : bnb_code_index(v[i] * r, thresholds);
+        }
+        bnb_store_bytes<PER_LANE>(out, first, n, q);
+        if (BNB_SIMDS_PER_BLOCK(BLOCKSIZE) > 1u) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);  // `partial` is reused by the next chunk
+        }
     }
-    uint q[PER_LANE];
-    for (uint i = 0; i < PER_LANE; ++i) {
-        q[i] = bnb_code_index(v[i] * r, thresholds);
-    }
-    bnb_store_bytes<PER_LANE>(out, first, n, q);
 }
 
-// dequantize_blockwise: out[i] = T(code[A[i]] * absmax[i / blocksize]).
+// dequantize_blockwise: out[i] = T(code[A[i]] * absmax[i >> blocksize_log2]) (blocksizes are
+// powers of two: a shift, not a division, per element).
 // Launch: 256 threads per threadgroup, ceil(n / 2048) threadgroups (1-D); each thread handles a
 // run of 8 consecutive elements (two 4-byte loads, two 4-element stores when all are in range).
 #define BNB_DEQUANT8_THREADS 256u
@@ -88,7 +99,7 @@ template <typename T>
     device const float* absmax [[buffer(2)]],
     device T* out [[buffer(3)]],
     constant uint& n [[buffer(4)]],
-    constant uint& blocksize [[buffer(5)]],
+    constant uint& blocksize_log2 [[buffer(5)]],
     uint tg [[threadgroup_position_in_grid]],
     uint tid [[thread_position_in_threadgroup]]) {
     threadgroup float lut[256];
@@ -116,7 +127,7 @@ template <typename T>
     }
     float v[BNB_DEQUANT8_PER_THREAD];
     for (uint k = 0; k < BNB_DEQUANT8_PER_THREAD; ++k) {
-        v[k] = lut[q[k]] * absmax[min(first + k, n - 1u) / blocksize];
+        v[k] = lut[q[k]] * absmax[min(first + k, n - 1u) >> blocksize_log2];
     }
     bnb_store_run8(out, first, n, v);
 }

@@ -10,7 +10,8 @@
 //   buffer(3) absmax  device float*        ceil(n / bs) block maxima
 //   buffer(4) n       constant uint&
 //   threadgroup: (T, 1, 1) with T = 128 for bs <= 256, bs / 8 for bs > 256 (64..512)
-//   grid:        (ceil(n / E), 1, 1) threadgroups, E = 4 * bs for bs <= 256, bs for bs > 256
+//   grid:        (min(ceil(n / E), G), 1, 1) threadgroups for any G >= 1, E = 4 * bs for
+//                bs <= 256, bs for bs > 256; threadgroup t takes the E-element chunks t, t + G, ...
 //
 // bnb_dequantize_blockwise_<dt>
 //   buffer(0) A          device const uchar*  n code indices
@@ -18,7 +19,7 @@
 //   buffer(2) absmax     device const float*  ceil(n / blocksize) block scales
 //   buffer(3) out        device <dt>*         n values
 //   buffer(4) n          constant uint&
-//   buffer(5) blocksize  constant uint&       any positive blocksize
+//   buffer(5) blocksize_log2  constant uint&  log2 of the blocksize (a power of two)
 //   threadgroup: (256, 1, 1)
 //   grid:        (ceil(n / 2048), 1, 1) threadgroups
 #include "quantize_8bit.h"
