@@ -36,8 +36,16 @@ class RecordingLibrary:
 
     origin = "source"
 
-    def __init__(self) -> None:
+    def __init__(self, simd_width: int = 32) -> None:
         self.calls = []
+        self.simd_width = simd_width
+
+    def function_names(self):
+        return ["bnb_b", "bnb_a"]
+
+    def pipeline_info(self, kernel):
+        return {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": self.simd_width,
+                "static_threadgroup_memory_length": 0}
 
     def launch(self, kernel, grid, threadgroup, args):
         self.calls.append((kernel, grid, threadgroup, args))
@@ -222,6 +230,26 @@ def test_a_bad_metallib_falls_back_to_the_embedded_source(tmp_path, monkeypatch)
     module, calls = fake_native_module(tmp_path, metallib_ok=False)
     native._open_library(module)
     assert calls == [("metallib", str(tmp_path / native.METALLIB_NAME)), ("compile", "EMB")]
+
+
+@pytest.mark.parametrize("width", [32, 64, 16])
+def test_a_gpu_with_another_simd_width_disables_the_tier(tmp_path, monkeypatch, width):
+    """Stand-ins for the built module on a GPU reporting `width` lanes per SIMD-group."""
+    version, abi = native.running_torch()
+    write_record(tmp_path / native.BUILD_RECORD, version, int(abi))
+    module = types.SimpleNamespace(
+        __file__=str(tmp_path / "_native.so"), BUILT_WITH_TORCH=version, BUILT_WITH_CXX11_ABI=abi,
+        embedded_source=lambda: "EMB", compile_library=lambda source: RecordingLibrary(simd_width=width),
+    )  # fmt: skip
+    monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=module.__file__))
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: module)
+    monkeypatch.setattr(native, "current_kernel_source", lambda: None)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    if width == 32:
+        assert native.load().name == "native"
+    else:
+        with pytest.raises(ExecutorUnavailable, match=f"SIMD width of {width}.*written for 32"):
+            native.load()
 
 
 def test_a_compile_error_disables_the_tier_with_the_compiler_message(tmp_path, monkeypatch):

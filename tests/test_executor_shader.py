@@ -240,6 +240,19 @@ def test_load_compiles_the_kernel_source_once(monkeypatch):
     assert ex.name == "shader"
 
 
+@pytest.mark.parametrize("width", [32, 64])
+def test_a_gpu_with_another_simd_width_disables_the_tier(monkeypatch, width):
+    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k() {}\n")
+    library = FakeLibrary(["k"])
+    monkeypatch.setattr(FakeKernel, "thread_execution_width", width, raising=False)
+    _pretend_mps(monkeypatch, lambda source: library)
+    if width == 32:
+        assert shader.load().name == "shader"
+    else:
+        with pytest.raises(ExecutorUnavailable, match="SIMD width of 64"):
+            shader.load()
+
+
 def test_compile_error_becomes_unavailable_with_the_message(monkeypatch):
     monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k( {}\n")
     log = "program_source:1:15: error: expected parameter declarator\n" + "note: more\n" * 40

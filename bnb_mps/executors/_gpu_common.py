@@ -9,6 +9,21 @@ from __future__ import annotations
 # native library checks that one too).
 MAX_THREADS_PER_THREADGROUP = 1024
 
+# The kernels' SIMD-group reductions, lane layouts and simdgroup counts assume 32 lanes, the SIMD
+# width of every Apple GPU so far. A GPU reporting another width must not run them.
+SIMD_WIDTH = 32
+
+
+def check_simd_width(width, kernel: str) -> None:
+    """Raise ExecutorUnavailable unless a pipeline's thread execution width is SIMD_WIDTH."""
+    from .base import ExecutorUnavailable
+
+    if width != SIMD_WIDTH:
+        raise ExecutorUnavailable(
+            f"this GPU runs kernel {kernel!r} with a SIMD width of {width}; bnb_mps' kernels are written for "
+            f"{SIMD_WIDTH} (every Apple GPU so far)"
+        )
+
 
 def _dim3(what: str, value, minimum: int) -> tuple[int, int, int]:
     if not isinstance(value, (tuple, list)) or len(value) != 3:

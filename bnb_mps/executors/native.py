@@ -19,7 +19,7 @@ import torch
 
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
-from ._gpu_common import check_geometry, first_lines, mps_unavailable_reason
+from ._gpu_common import check_geometry, check_simd_width, first_lines, mps_unavailable_reason
 from .base import Dim3, ExecutorUnavailable, KernelArg
 
 BUILD_HINT = (
@@ -145,4 +145,7 @@ def load() -> NativeExecutor:
         )
     if not torch.backends.mps.is_available():
         raise ExecutorUnavailable(f"MPS is not available: {mps_unavailable_reason()}")
-    return NativeExecutor(_open_library(_native))
+    library = _open_library(_native)
+    probe = min(library.function_names())  # one pipeline: the width is a property of the GPU
+    check_simd_width(library.pipeline_info(probe)["thread_execution_width"], probe)
+    return NativeExecutor(library)

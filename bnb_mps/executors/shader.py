@@ -32,7 +32,7 @@ import torch
 
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
-from ._gpu_common import check_geometry, first_lines, mps_unavailable_reason
+from ._gpu_common import check_geometry, check_simd_width, first_lines, mps_unavailable_reason
 from .base import Dim3, ExecutorUnavailable, KernelArg
 
 # Versions, checked in the released macOS arm64 wheels (the strings of libtorch_python.dylib):
@@ -126,4 +126,8 @@ def load() -> ShaderExecutor:
         raise ExecutorUnavailable(
             f"torch.mps.compile_shader rejected the kernel source:\n{first_lines(e)}"
         ) from None
+    probe = min(dir(library))  # one pipeline: the width is a property of the GPU
+    width = getattr(getattr(library, probe), "thread_execution_width", None)  # (torch >= 2.7 reports it)
+    if width is not None:
+        check_simd_width(width, probe)
     return ShaderExecutor(library)
