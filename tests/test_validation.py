@@ -209,3 +209,104 @@ def test_missing_tensor_is_a_type_error():
 def test_good_input_still_reaches_the_fallback(no_fallback_on_bad_input):
     no_fallback_on_bad_input["armed"] = False
     packet("quantize_blockwise").redispatch(MPS, *first("quantize_blockwise"))
+
+
+# -- the checks the robustness review asked for ---------------------------------------------------
+# Some of these only reach the op layer when called from Python directly: through the dispatcher
+# a str is refused by PyTorch itself (RuntimeError) and a bool becomes 1.0 for a float argument.
+
+
+def expect_op_layer(exc, name, args, *words):
+    from bnb_mps import ops
+    from bnb_mps.testing import RecordingExecutor
+
+    recorder = RecordingExecutor()
+    with pytest.raises(exc) as info:
+        ops.call(ops.OPS[name], tuple(args), {}, recorder)
+    msg = str(info.value)
+    assert name.split(".")[0] in msg, msg
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    assert recorder.launches == []
+
+
+@pytest.mark.parametrize("name", ["int8_vectorwise_quant", "int8_double_quant"])
+@pytest.mark.parametrize("threshold", [float("nan"), True, "6.0"])
+def test_threshold_must_be_a_number_not_nan(name, threshold):
+    exc = ValueError if isinstance(threshold, float) else TypeError
+    expect_op_layer(exc, name, [torch.randn(4, 8, dtype=torch.float16), threshold], "threshold")
+    if isinstance(threshold, float):
+        expect(exc, name, [torch.randn(4, 8, dtype=torch.float16), threshold], "threshold")
+
+
+@pytest.mark.parametrize("name,index,arg", [("dequantize_4bit", 4, "shape"), ("dequantize_4bit.out", 4, "shape"),
+                                            ("gemv_4bit", 2, "shapeB"), ("gemm_4bit", 2, "shapeB")])  # fmt: skip
+def test_negative_sizes(name, index, arg):
+    args = first(name)
+    args[index] = [-s for s in args[index]]
+    expect(ValueError, name, args, arg, "negative")
+
+
+@pytest.mark.parametrize("name,index", [("optimizer_update_32bit", 14), ("optimizer_update_8bit_blockwise", 10)])
+@pytest.mark.parametrize("step", [0, -3])
+def test_step_counts_from_one(name, index, step):
+    args = first(name)
+    args[index] = step
+    expect(ValueError, name, args, "step", ">= 1")
+
+
+@pytest.mark.parametrize("name,index,arg", [("optimizer_update_32bit", 15, "lr"), ("optimizer_update_32bit", 8, "beta1"),
+                                            ("optimizer_update_8bit_blockwise", 11, "lr"),
+                                            ("optimizer_update_8bit_blockwise", 9, "eps")])  # fmt: skip
+@pytest.mark.parametrize("value", ["0.001", None, True, torch.tensor(0.1)])
+def test_hyperparameters_must_be_numbers(name, index, arg, value):
+    args = first(name)
+    args[index] = value
+    expect_op_layer(TypeError, name, args, arg, "number")
+
+
+@pytest.mark.parametrize("name,index", [("quantize_blockwise", 2), ("quantize_4bit", 1), ("gemm_4bit", 4)])
+def test_blocksize_true_is_not_an_int(name, index):
+    args = first(name)
+    args[index] = True
+    expect_op_layer(TypeError, name, args, "blocksize", "int")
+
+
+def test_absmax_code_without_absmax_8bit():
+    args = first("gemm_4bit")
+    args[8] = torch.zeros(256)  # absmax_code
+    args[7] = None  # absmax_8bit
+    expect(ValueError, "gemm_4bit", args, "absmax_code", "absmax_8bit")
+
+
+# Every op with a Metal kernel, as (name, arguments on meta) with more elements than its 32-bit
+# indexing takes (meta tensors cost nothing).
+HUGE = 2**32
+HUGE_CASES = [
+    ("quantize_blockwise", lambda: [torch.empty(HUGE, dtype=torch.float16, device="meta"),
+                                    torch.empty(256, device="meta"), 256]),
+    ("dequantize_blockwise", lambda: [torch.empty(HUGE, dtype=torch.uint8, device="meta"),
+                                      torch.empty(HUGE // 256, device="meta"), torch.empty(256, device="meta"), 256,
+                                      torch.float16]),
+    ("dequantize_blockwise.out", lambda: [torch.empty(HUGE, dtype=torch.uint8, device="meta"),
+                                          torch.empty(HUGE // 256, device="meta"), torch.empty(256, device="meta"),
+                                          256, torch.float16, torch.empty(HUGE, dtype=torch.float16, device="meta")]),
+    ("quantize_4bit", lambda: [torch.empty(HUGE, dtype=torch.float16, device="meta"), 64, "nf4", torch.uint8]),
+    ("dequantize_4bit", lambda: [torch.empty(HUGE // 2, dtype=torch.uint8, device="meta"),
+                                 torch.empty(HUGE // 64, device="meta"), 64, "nf4", [HUGE], torch.float16]),
+    ("dequantize_4bit.out", lambda: [torch.empty(HUGE // 2, dtype=torch.uint8, device="meta"),
+                                     torch.empty(HUGE // 64, device="meta"), 64, "nf4", [HUGE], torch.float16,
+                                     torch.empty(HUGE, dtype=torch.float16, device="meta")]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,make", HUGE_CASES, ids=[n for n, _ in HUGE_CASES])
+def test_element_count_guard_fires_before_any_allocation(name, make):
+    from bnb_mps import ops
+    from bnb_mps.testing import AllocationCounter, RecordingExecutor
+
+    args = make()
+    recorder = RecordingExecutor()
+    with AllocationCounter() as alloc, pytest.raises(ValueError, match="Metal kernels take fewer than"):
+        ops.call(ops.OPS[name], tuple(args), {}, recorder)
+    assert alloc.count == 0 and recorder.launches == []
