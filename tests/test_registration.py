@@ -56,7 +56,9 @@ def test_plain_import_of_bitsandbytes_registers_every_schema():
 
 
 def test_entry_point_is_silent_and_cheap_on_linux():
-    """Same output with and without bnb_mps' entry point; its cost measured around the call."""
+    """Same output with and without bnb_mps' entry point, which loads only the registration
+    module (the op layer, executors and emulator load on first use). Its time is printed by the
+    test for information, not asserted (timings belong in benchmarks)."""
     code = """
         import importlib.metadata as md, time, sys
         import torch
@@ -77,15 +79,19 @@ def test_entry_point_is_silent_and_cheap_on_linux():
         md.entry_points = patched
         import bitsandbytes
         print("COST", cost[0] * 1e3 if cost else -1, file=sys.__stdout__)
+        print("LOADED", sorted(m for m in sys.modules if m.startswith("bnb_mps")), file=sys.__stdout__)
     """
     with_ep = run_python(code.format(keep=True))
     without = run_python(code.format(keep=False))
     assert with_ep.returncode == 0 and without.returncode == 0, with_ep.stderr + without.stderr
     assert with_ep.stderr == without.stderr
-    strip = lambda s: [line for line in s.splitlines() if not line.startswith("COST")]  # noqa: E731
+    strip = lambda s: [line for line in s.splitlines() if not line.startswith(("COST", "LOADED"))]  # noqa: E731
     assert strip(with_ep.stdout) == strip(without.stdout)
     cost_ms = float(with_ep.stdout.split("COST")[1].split()[0])
-    assert 0 < cost_ms < 20, f"entry point took {cost_ms:.2f} ms"  # typically ~1 ms here incl. imports
+    assert cost_ms > 0  # the entry point ran
+    print(f"bnb_mps entry point: {cost_ms:.2f} ms")
+    loaded = with_ep.stdout.split("LOADED")[1].strip()
+    assert loaded == "['bnb_mps', 'bnb_mps.registration']", loaded
 
 
 def test_registered_in_this_process():
