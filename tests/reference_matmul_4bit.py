@@ -83,11 +83,12 @@ def as_f64(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float64).numpy()
 
 
-def dequantize_then_linear(A: torch.Tensor, W: np.ndarray, bias=None) -> torch.Tensor:
+def dequantize_then_linear(A: torch.Tensor, W: np.ndarray, bias=None, device="cpu") -> torch.Tensor:
     """The path bitsandbytes takes without a fused kernel: the weight dequantized to A's dtype, then
-    torch's linear in that dtype (on the CPU)."""
-    Wt = torch.from_numpy(W).to(A.dtype)
-    return torch.nn.functional.linear(A, Wt, bias)
+    torch's linear in that dtype (on `device`; the result comes back to the CPU)."""
+    Wt = torch.from_numpy(W).to(A.dtype).to(device)
+    b = bias.to(device) if bias is not None else None
+    return torch.nn.functional.linear(A.to(device), Wt, b).cpu()
 
 
 def max_abs(x) -> float:
@@ -130,7 +131,7 @@ def fp32_ulps(K: int) -> float:
 AGGREGATE_MIN = 256
 
 
-def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None) -> dict:
+def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, linear_device="cpu") -> dict:
     """Asserts SPEC section 4's accuracy target for y ~ A @ W.T (+ bias) and returns the figures.
 
     - float32: |y - linear32| <= fp32_ulps(K) ulps of S per element, where linear32 is torch's
@@ -139,13 +140,15 @@ def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None) -
       (rounded once to T, up to float32 accumulation error); and, for outputs of at least
       AGGREGATE_MIN elements, max and mean |y - y64| no larger than those of the
       dequantize-then-linear path in T (slack: one float32 ulp of max S on the max, 1% on the mean).
+    `linear_device` is where torch's fp16/bf16 linear of the comparison runs. y, A, bias: CPU tensors.
     """
     K = A.shape[-1]
     want = matmul(A, W, bias)
     S = magnitude(A, W, bias)
     got = as_f64(y)
     assert got.shape == want.shape, (got.shape, want.shape)
-    lin = as_f64(dequantize_then_linear(A, W, bias))
+    # (float32: always the CPU's IEEE linear, the reference the target names)
+    lin = as_f64(dequantize_then_linear(A, W, bias, "cpu" if y.dtype == torch.float32 else linear_device))
     if got.size == 0:
         return {}
     tol = fp32_ulps(K)

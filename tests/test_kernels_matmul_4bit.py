@@ -10,14 +10,14 @@ the kernels.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import replace
 
 import pytest
 import torch
 
 import reference_matmul_4bit as R
 import spec_reference as ref
+from matmul_4bit_cases import DT, Case, gemm_args, gen, make_weight
 from bnb_mps.msl import source as kernel_source
 from bnb_mps.ops import OPS, call, matmul_4bit
 from bnb_mps.testing import RecordingExecutor
@@ -25,9 +25,7 @@ from bnb_mps.testing import RecordingExecutor
 emulator = pytest.importorskip("bnb_mps.emulator")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
-CODE8 = bnb_functional.create_dynamic_map(signed=True)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 @pytest.fixture(scope="module")
@@ -55,91 +53,6 @@ class Emulated:
             emulator.run_checked(self.lib, kernel, grid=grid, threadgroup=threadgroup, args=args)
         else:
             self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order, seed=self.seed)
-
-
-# -- cases ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    M: int
-    N: int
-    K: int
-    dtype: torch.dtype = torch.float16
-    blocksize: int = 64
-    quant_type: str = "nf4"
-    nested: bool = False
-    bias: bool = False
-    storage: torch.dtype = torch.uint8
-    layout: str = "contiguous"  # of A: contiguous | batched | strided | transposed | misaligned | broadcast
-    offset_dtype: torch.dtype = torch.float32
-    seed: int = 0
-
-    def __str__(self):
-        parts = [f"{self.M}x{self.N}x{self.K}", DT[self.dtype], self.quant_type, f"bs{self.blocksize}"]
-        parts += ["nested"] if self.nested else []
-        parts += ["bias"] if self.bias else []
-        parts += [str(self.storage).removeprefix("torch.")] if self.storage != torch.uint8 else []
-        parts += [self.layout] if self.layout != "contiguous" else []
-        return "-".join(parts)
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def make_A(case: Case) -> torch.Tensor:
-    """A with M rows of K values in the requested memory layout (its values do not depend on it)."""
-    M, K = case.M, case.K
-    values = torch.randn(M, K, generator=_gen(case.seed + 1)).to(case.dtype)
-    if case.layout == "contiguous":
-        return values
-    if case.layout == "batched":  # leading dims (batch, seq)
-        return values.reshape(3, M // 3, K) if M % 3 == 0 else values.reshape(1, M, K)
-    if case.layout == "strided":  # rows of a wider tensor, 16-byte aligned row stride
-        wide = torch.zeros(M, K + 24, dtype=case.dtype)
-        wide[:, 8 : 8 + K] = values
-        return wide[:, 8 : 8 + K]
-    if case.layout == "transposed":  # column stride != 1
-        return values.t().contiguous().t()
-    if case.layout == "misaligned":  # starts one element into its storage
-        base = torch.zeros(M * K + 1, dtype=case.dtype)
-        base[1:] = values.reshape(-1)
-        return base[1:].view(M, K)
-    if case.layout == "broadcast":  # every row the same storage (row stride 0)
-        return values[:1].expand(M, K)
-    raise ValueError(case.layout)
-
-
-def make_weight(case: Case):
-    """(W float32 [N, K] with an all-zero row run, packed bytes as `storage`, absmax)."""
-    N, K = case.N, case.K
-    W = torch.randn(N, K, generator=_gen(case.seed + 2)) * 0.5
-    if N * K >= 4 * case.blocksize:
-        W.view(-1)[case.blocksize : 2 * case.blocksize] = 0  # an all-zero block
-    nib, absmax = ref.quantize_4bit_nibbles(W, case.blocksize, case.quant_type)
-    packed = torch.from_numpy(ref.pack_nibbles(nib))
-    itemsize = torch.empty((), dtype=case.storage).element_size()
-    pad = (-packed.numel()) % itemsize
-    packed = torch.cat([packed, torch.zeros(pad, dtype=torch.uint8)]).view(case.storage).reshape(-1, 1)
-    return packed, torch.from_numpy(absmax)
-
-
-def gemm_args(case: Case):
-    """(A, positional gemm_4bit args, dequantized float32 weight, bias)."""
-    A = make_A(case)
-    packed, absmax = make_weight(case)
-    bias = torch.randn(case.N, generator=_gen(case.seed + 3)).to(case.dtype) if case.bias else None
-    if case.nested:
-        q8, nested, offset = ref.double_quantize(absmax, CODE8)
-        offset = offset.to(case.offset_dtype)
-        nested_args = (q8, CODE8, offset)
-        W = R.dequantized_weight(packed, (case.N, case.K), case.blocksize, case.quant_type, nested, *nested_args)
-        args = [A, packed, [case.N, case.K], nested, case.blocksize, case.quant_type, bias, *nested_args]
-    else:
-        W = R.dequantized_weight(packed, (case.N, case.K), case.blocksize, case.quant_type, absmax)
-        args = [A, packed, [case.N, case.K], absmax, case.blocksize, case.quant_type, bias, None, None, None]
-    return A, args, W, bias
 
 
 def run_gemm(executor, case: Case) -> dict:
@@ -293,7 +206,7 @@ def test_identity_weight_reproduces_A(library, M, quant_type):
         for dtype in DTYPES:
             nib, absmax = ref.quantize_4bit_nibbles(W, 32, quant_type)
             packed = torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1)
-            A = torch.randn(M, K, generator=_gen(M + K)).to(dtype)
+            A = torch.randn(M, K, generator=gen(M + K)).to(dtype)
             y = call(OPS["gemm_4bit"], (A, packed, [K, K], torch.from_numpy(absmax), 32, quant_type), {}, ex)
             assert torch.equal(y, A), (K, dtype)
     assert len(ex.launched) == 6
@@ -308,13 +221,13 @@ def test_gemv_reads_the_code_table(library, M):
     SPEC result with that table (no quant type is inferred from it)."""
     ex = Emulated(library, order="random", seed=M)
     N, K, bs = 24, 96, 64
-    nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K, generator=_gen(5)), bs, "nf4")
+    nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K, generator=gen(5)), bs, "nf4")
     packed = torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1)
     absmax = torch.from_numpy(absmax)
     odd_table = torch.linspace(-3, 5, 16) ** 3  # neither NF4 nor FP4, code[1] < 0
     for code in (bnb_functional.get_4bit_type("nf4", device="cpu"), bnb_functional.get_4bit_type("fp4", device="cpu"), odd_table):
         for dtype in DTYPES:
-            A = torch.randn(1, M, K, generator=_gen(M)).to(dtype)
+            A = torch.randn(1, M, K, generator=gen(M)).to(dtype)
             y = call(OPS["gemv_4bit"], (A, packed, [N, K], absmax, code, bs), {}, ex)
             assert y.shape == (1, M, N)
             R.check_accuracy(y.reshape(M, N), A.reshape(M, K), R.dequantized_weight(packed, (N, K), bs, code, absmax))
@@ -325,11 +238,11 @@ def test_gemv_reads_the_code_table(library, M):
 def test_gemv_out_overload(library):
     ex = Emulated(library)
     N, K, bs = 40, 64, 32
-    nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K, generator=_gen(8)), bs, "fp4")
+    nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K, generator=gen(8)), bs, "fp4")
     packed, absmax = torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1), torch.from_numpy(absmax)
     code = bnb_functional.get_4bit_type("fp4", device="cpu")
     W = R.dequantized_weight(packed, (N, K), bs, "fp4", absmax)
-    A = torch.randn(2, K, generator=_gen(9), dtype=torch.float32)
+    A = torch.randn(2, K, generator=gen(9), dtype=torch.float32)
     out = torch.full((2, N), 7.0)
     assert call(OPS["gemv_4bit.out"], (A, packed, [N, K], absmax, code, bs, out), {}, ex) is None
     R.check_accuracy(out, A, W)
