@@ -71,7 +71,7 @@ def path_of(case: Case) -> str:
 # One shape per path, with a K tail (K not a multiple of the simdgroup step, of 32, or of 16) and
 # an N tail (N not a multiple of the rows per threadgroup).
 PATH_SHAPES = {
-    "gemv": (1, 21, 528),  # 528 = 512 + 16: the second step has a single active lane
+    "gemv": (1, 21, 1056),  # 1056 = 1024 + 32: the second step has a single active lane
     "batch": (5, 13, 176),
     "mma": (37, 70, 72),  # two M tiles, two N tiles, 3 K steps (the last a half)
     "mma-any-K": (3, 11, 45),
@@ -103,26 +103,27 @@ def test_threadgroup_table_variant_all_orders(library, dtype, monkeypatch):
 
 # -- every blocksize and quant type on every path (blocks straddling rows) ------------------------
 
-# K = 48 is below every blocksize but 32 (blocks span several rows and start mid-row) and not a
-# multiple of 32; N*K >= 3 blocks of 4096 for the largest blocksize.
+# K = 96 is below every blocksize from 128 (blocks span several rows and start mid-row) and not a
+# multiple of 64 (blocks of 64 straddle rows); N*K >= 3 blocks of 4096 for the largest blocksize.
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("blocksize", ref.BLOCKSIZES_4BIT)
 def test_every_blocksize(library, blocksize, quant_type):
     ex = Emulated(library)
-    N = max(8, math.ceil(3 * blocksize / 48) + 3)
+    N = max(8, math.ceil(3 * blocksize / 96) + 3)
     for i, M in enumerate((1, 6, 11)):
         dtype = DTYPES[(i + blocksize.bit_length()) % 3]
-        run_gemm(ex, Case(M, N, 48, dtype=dtype, blocksize=blocksize, quant_type=quant_type, nested=i == 1,
+        run_gemm(ex, Case(M, N, 96, dtype=dtype, blocksize=blocksize, quant_type=quant_type, nested=i == 1,
                           seed=blocksize + i))  # fmt: skip
     assert {k.split("_")[2] for k in ex.launched} == {"4bit"} and len(ex.launched) == 3
-    assert [path_of(Case(M, N, 48)) for M in (1, 6, 11)] == ["gemv", "batch", "mma"]
+    assert [path_of(Case(M, N, 96)) for M in (1, 6, 11)] == ["gemv", "batch", "mma"]
 
 
 # -- odd shapes -------------------------------------------------------------------------------------
 
 ODD = [
     Case(1, 1, 1), Case(3, 1, 1), Case(1, 5, 1), Case(100, 3, 1),  # K = 1
-    Case(1, 7, 16), Case(9, 1, 16), Case(3, 9, 80),  # K a multiple of 16, not of 32
+    Case(1, 7, 16), Case(9, 1, 16), Case(3, 9, 80),  # K a multiple of 16, not of 32 (M = 1: batch)
+    Case(1, 2, 32), Case(1, 3, 1088),  # gemv with one lane active, 2 + 2 lanes in the last step
     Case(1, 9, 33), Case(33, 10, 100), Case(9, 66, 31),  # K not a multiple of 16: the mma kernel
     Case(1, 1, 64), Case(2, 1, 64), Case(33, 1, 64),  # N = 1
     Case(100, 65, 64, bias=True), Case(9, 8, 512), Case(33, 17, 16),
@@ -300,7 +301,9 @@ def test_switch_points_are_shape_constants():
     assert (matmul_4bit.GEMV_MAX_M, matmul_4bit.SMALL_BATCH_MAX_M) == (1, 8)
     paths = [matmul_4bit.choose_path(M, 4096, 4096) for M in (1, 2, 8, 9, 512)]
     assert paths == ["gemv", "batch", "batch", "mma", "mma"]
-    assert matmul_4bit.choose_path(1, 4096, 4112) == "gemv"  # K % 16 == 0
+    assert matmul_4bit.choose_path(1, 4096, 4128) == "gemv"  # K % 32 == 0
+    assert matmul_4bit.choose_path(1, 4096, 4112) == "batch"  # K % 32 == 16
+    assert matmul_4bit.choose_path(8, 4096, 4112) == "batch"
     assert matmul_4bit.choose_path(1, 4096, 4100) == "mma"  # K % 16 != 0
 
 

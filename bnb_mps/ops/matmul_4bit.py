@@ -101,8 +101,10 @@ def check_gemm_4bit(
 # the weight once (the extra rows only add arithmetic on values already in registers), while the
 # mma kernel would spend 32-row tiles on at most 8 rows and pay two threadgroup barriers per K
 # step; above 8 rows the arithmetic (2*M*N*K) outgrows what scalar FMAs keep up with and the
-# 8x8 matrix units take over. K % 16 != 0 (never the case for real models) always takes the mma
-# kernel, the only one that addresses nibbles one by one. The constants are module attributes so
+# 8x8 matrix units take over. The gemv kernel needs K % 32 == 0 and the batch kernel K % 16 == 0
+# (chunks of 32 / 16 nibbles per lane); M = 1 with K % 32 == 16 takes the batch kernel, and
+# K % 16 != 0 (never the case for real models) the mma kernel, the only one that addresses nibbles
+# one by one. The constants are module attributes so
 # that a benchmark can move them; nothing here looks at tensor data.
 GEMV_MAX_M = 1
 SMALL_BATCH_MAX_M = 8
@@ -111,7 +113,8 @@ SMALL_BATCH_MAX_M = 8
 #: "threadgroup" (copied into threadgroup memory first); both are kept for measuring on a Mac.
 GEMV_TABLE = "constant"
 
-_CHUNK = 16  # nibbles per lane per step in the gemv / batch kernels: they need K % _CHUNK == 0
+# Nibbles per lane per step of the gemv and batch kernels: they need K to be a multiple of it.
+_GEMV_CHUNK, _BATCH_CHUNK = 32, 16
 _ROWS_PER_TG = 8  # weight rows per threadgroup in the gemv / batch kernels
 _BATCH_M = 8  # rows of A per threadgroup in the batch kernel
 _MMA_BM, _MMA_BN = 32, 64  # output tile of the mma kernel (rows of A x rows of W)
@@ -123,11 +126,9 @@ _FLAG_BIAS, _FLAG_AVEC = 1, 2
 
 def choose_path(M: int, N: int, K: int) -> str:
     """The kernel for an [M, K] x [N, K]^T product: "gemv", "batch" or "mma" (shapes only)."""
-    if K % _CHUNK:
-        return "mma"
-    if M <= GEMV_MAX_M:
+    if M <= GEMV_MAX_M and K % _GEMV_CHUNK == 0:
         return "gemv"
-    if M <= SMALL_BATCH_MAX_M:
+    if M <= SMALL_BATCH_MAX_M and K % _BATCH_CHUNK == 0:
         return "batch"
     return "mma"
 

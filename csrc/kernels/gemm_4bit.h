@@ -10,14 +10,17 @@
 // one by (M, N, K), never by data:
 //
 //   bnb_gemv_4bit        M = 1 (decode). The MLX qmv_fast design: 2 simdgroups x 4 output rows
-//                        per threadgroup; each lane holds 16 activations in registers and reads,
-//                        per row and per step, 8 bytes (16 nibbles) of packed weight with one
-//                        64-bit load and that chunk's block scale once; one simd_sum per row at
-//                        the end; no threadgroup barrier (the threadgroup-table variant has one,
-//                        before the loop).
-//   bnb_gemm_4bit_batch  2 <= M <= 8 (small batch). Same weight walk, 4 simdgroups x 2 rows per
+//                        per threadgroup; each lane holds 32 activations in registers and reads,
+//                        per row and per step, 16 bytes (32 nibbles) of packed weight with one
+//                        128-bit load and that chunk's block scale once (a chunk never spans two
+//                        blocks, so even at blocksize 32 no two lanes load the same scale); one
+//                        simd_sum per row at the end; no threadgroup barrier (the
+//                        threadgroup-table variant has one, before the loop). Needs K % 32 == 0.
+//   bnb_gemm_4bit_batch  2 <= M <= 8 (small batch), and M = 1 when K % 32 != 0. The same weight
+//                        walk with 8-byte (16-nibble) chunks, 4 simdgroups x 2 rows per
 //                        threadgroup, up to 8 rows of A per threadgroup: each lane looks its
 //                        16 nibbles per row up once and uses them for every row of A.
+//                        Needs K % 16 == 0.
 //   bnb_gemm_4bit_mma    larger M, and every K that is not a multiple of 16. 32x64 output tiles
 //                        (A rows x W rows) per threadgroup of 4 simdgroups, K in steps of 32:
 //                        the A tile and the dequantized W tile are staged in threadgroup memory
@@ -25,19 +28,19 @@
 //                        8x8 float tiles (fp32 accumulation), the result goes through
 //                        threadgroup memory to add bias, round and store with bounds checks.
 //
-// Why the chunk of 16 nibbles can carry one scale: with K % 16 == 0 a chunk starts at a nibble
-// index that is a multiple of 16, and every blocksize (32..4096) is a multiple of 16, so a chunk
-// never crosses a block boundary, even where blocks straddle rows. The vector paths need that
-// (and 8-byte aligned chunks, which it also gives); the mma kernel handles any K (it falls back to
-// per-nibble addressing and per-nibble scales when K % 16 != 0).
+// Why a chunk of C nibbles (C = 32 gemv, 16 batch) can carry one scale: with K % C == 0 a chunk
+// starts at a nibble index that is a multiple of C, and every blocksize (32..4096) is a multiple
+// of C, so a chunk never crosses a block boundary, even where blocks straddle rows. The vector
+// paths need that (and C/2-byte aligned chunks, which it also gives); the mma kernel handles any
+// K (it falls back to per-nibble addressing and per-nibble scales when K % 16 != 0).
 //
-// Memory access (coalescing): in the gemv/batch kernels lane l of a simdgroup reads bytes
-// [8l, 8l + 8) of a 256-byte run of one weight row per step, so the 32 lanes' loads of a row touch
-// exactly two 128-byte lines; the scales of those chunks are 16..1 consecutive floats (one line);
-// the activations are 16 consecutive values per lane (a contiguous 512- or 1024-byte run shared
-// by every simdgroup, i.e. cache hits after the first). The mma kernel reads each weight row of
-// its tile as 16-byte runs per K step (consecutive steps continue the same lines) and A rows as
-// 64..128-byte runs.
+// Memory access (coalescing): in the gemv kernel lane l of a simdgroup reads bytes
+// [16l, 16l + 16) of a 512-byte run of one weight row per step, so the 32 lanes' loads of a row
+// touch exactly four 128-byte lines (batch: [8l, 8l + 8) of 256 bytes, two lines); the scales of
+// those chunks are 32..1 consecutive floats (one line, or the nested codes' 32..1 bytes); the
+// activations are C consecutive values per lane, a contiguous run shared by every simdgroup (cache
+// hits after the first). The mma kernel reads each weight row of its tile as 16-byte runs per K
+// step (consecutive steps continue the same lines) and A rows as 64..128-byte runs.
 //
 // The 16-entry table: `table` selects the `code` buffer (gemv_4bit, whose code is data) or the
 // NF4 / FP4 tables of quantize_4bit.h; all are read through a `constant float*` (the constant
@@ -67,8 +70,8 @@
 #define BNB_MM_AVEC 2u   // A and every row start of A are 16-byte aligned: vector loads allowed
 
 // gemv / batch geometry.
-#define BNB_MM_CHUNK 16u                       // nibbles per lane per row per step (8 bytes)
-#define BNB_MM_STEP (32u * BNB_MM_CHUNK)       // K covered by a simdgroup per step
+#define BNB_GEMV_CHUNK 32u                     // nibbles per lane per row per step (16 bytes)
+#define BNB_BATCH_CHUNK 16u                    // the same in the batch kernel (8 bytes)
 #define BNB_GEMV_SIMDS 2u
 #define BNB_GEMV_ROWS 4u                       // weight rows per simdgroup
 #define BNB_BATCH_SIMDS 4u
@@ -109,56 +112,71 @@ inline float bnb_mm_scale(uint b, device const float* absmax, device const uchar
     return absmax[b];
 }
 
-// Byte j (0..7) of an 8-byte chunk loaded as a uint2 (little-endian: byte 0 is w.x's low byte).
-inline uint bnb_mm_byte(uint2 w, uint j) {
-    return ((j < 4u ? w.x : w.y) >> (8u * (j & 3u))) & 0xFFu;
+// A chunk of C nibbles (C = 16 or 32) as C / 8 uints, nibbles idx .. idx + C - 1 (idx a multiple
+// of C): one 8- or 16-byte load.
+template <uint C>
+inline void bnb_mm_chunk(device const uchar* B, uint idx, thread uint* w) {
+    if (C == 32u) {
+        const uint4 v = *reinterpret_cast<device const uint4*>(B + idx / 2u);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    } else {
+        const uint2 v = *reinterpret_cast<device const uint2*>(B + idx / 2u);
+        w[0] = v.x;
+        w[1] = v.y;
+    }
 }
 
-// The 8 bytes of packed weight holding nibbles idx .. idx + 15 (idx a multiple of 16).
-inline uint2 bnb_mm_chunk(device const uchar* B, uint idx) {
-    return *reinterpret_cast<device const uint2*>(B + idx / 2u);
+// Byte j of a chunk (little-endian: byte 0 is w[0]'s low byte); its high nibble is element 2j.
+inline uint bnb_mm_byte(thread const uint* w, uint j) {
+    return (w[j >> 2] >> (8u * (j & 3u))) & 0xFFu;
 }
 
-// sum_j x[j] * table[nibble j] over a 16-nibble chunk; two variants for the table's address space.
-inline float bnb_mm_dot16_c(uint2 w, thread const float* x, constant float* lut) {
+// sum_j x[j] * table[nibble j] over a chunk; two variants for the table's address space.
+template <uint C>
+inline float bnb_mm_dot_c(thread const uint* w, thread const float* x, constant float* lut) {
     float d = 0.0f;
-    for (uint j = 0; j < 8u; ++j) {
+    for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
         d += x[2u * j] * lut[b >> 4] + x[2u * j + 1u] * lut[b & 15u];
     }
     return d;
 }
 
-inline float bnb_mm_dot16_tg(uint2 w, thread const float* x, threadgroup const float* lut) {
+template <uint C>
+inline float bnb_mm_dot_tg(thread const uint* w, thread const float* x, threadgroup const float* lut) {
     float d = 0.0f;
-    for (uint j = 0; j < 8u; ++j) {
+    for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
         d += x[2u * j] * lut[b >> 4] + x[2u * j + 1u] * lut[b & 15u];
     }
     return d;
 }
 
-// t[j] = table[nibble j] of a 16-nibble chunk.
-inline void bnb_mm_decode16(uint2 w, constant float* lut, thread float* t) {
-    for (uint j = 0; j < 8u; ++j) {
+// t[j] = table[nibble j] of a chunk.
+template <uint C>
+inline void bnb_mm_decode(thread const uint* w, constant float* lut, thread float* t) {
+    for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
         t[2u * j] = lut[b >> 4];
         t[2u * j + 1u] = lut[b & 15u];
     }
 }
 
-// x[0..16) = a[0..16) as float: four 4-element vector loads when allowed, else scalar loads.
-template <typename T>
-inline void bnb_mm_load16(device const T* a, bool vec_ok, thread float* x) {
+// x[0..C) = a[0..C) as float: 4-element vector loads when allowed, else scalar loads.
+template <uint C, typename T>
+inline void bnb_mm_load(device const T* a, bool vec_ok, thread float* x) {
     if (vec_ok) {
-        for (uint h = 0; h < 16u; h += 4u) {
+        for (uint h = 0; h < C; h += 4u) {
             const vec<T, 4> v = *reinterpret_cast<device const vec<T, 4>*>(a + h);
             for (uint j = 0; j < 4u; ++j) {
                 x[h + j] = float(v[j]);
             }
         }
     } else {
-        for (uint j = 0; j < 16u; ++j) {
+        for (uint j = 0; j < C; ++j) {
             x[j] = float(a[j]);
         }
     }
@@ -175,7 +193,7 @@ inline void bnb_mm_store(device T* out, device const T* bias, uint flags, uint m
 
 // ---------------------------------------------------------------------------------------------
 // gemv: M = 1 (any M works: threadgroup row y is row y of A). Threadgroup: 64 threads
-// (2 simdgroups); grid: (ceil(N / 8), M) threadgroups. Needs K % 16 == 0.
+// (2 simdgroups); grid: (ceil(N / 8), M) threadgroups. Needs K % 32 == 0.
 template <typename T, bool NESTED, bool TG_TABLE>
 [[kernel]] void bnb_gemv_4bit(
     device const T* A [[buffer(0)]],
@@ -200,6 +218,7 @@ template <typename T, bool NESTED, bool TG_TABLE>
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
     constexpr uint R = BNB_GEMV_ROWS;
+    constexpr uint C = BNB_GEMV_CHUNK;
     threadgroup float lut_tg[16];
     constant float* lut = bnb_mm_table(code, table);
     if (TG_TABLE) {
@@ -222,14 +241,16 @@ template <typename T, bool NESTED, bool TG_TABLE>
     for (uint r = 0; r < R; ++r) {
         acc[r] = 0.0f;
     }
-    for (uint k = lane * BNB_MM_CHUNK; k < K; k += BNB_MM_STEP) {
-        float x[BNB_MM_CHUNK];
-        bnb_mm_load16(a + k, vec_ok, x);
+    // Lanes past K in the last step leave the loop early: nothing below needs them until simd_sum.
+    for (uint k = lane * C; k < K; k += 32u * C) {
+        float x[C];
+        bnb_mm_load<C>(a + k, vec_ok, x);
         for (uint r = 0; r < R; ++r) {
             const uint idx = base[r] + k;
-            const uint2 w = bnb_mm_chunk(B, idx);
+            uint w[C / 8u];
+            bnb_mm_chunk<C>(B, idx, w);
             const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
-            const float d = TG_TABLE ? bnb_mm_dot16_tg(w, x, lut_tg) : bnb_mm_dot16_c(w, x, lut);
+            const float d = TG_TABLE ? bnb_mm_dot_tg<C>(w, x, lut_tg) : bnb_mm_dot_c<C>(w, x, lut);
             acc[r] += s * d;
         }
     }
@@ -268,6 +289,7 @@ template <typename T, bool NESTED>
     uint sg [[simdgroup_index_in_threadgroup]]) {
     constexpr uint R = BNB_BATCH_ROWS;
     constexpr uint MT = BNB_BATCH_M;
+    constexpr uint C = BNB_BATCH_CHUNK;
     constant float* lut = bnb_mm_table(code, table);
     const float offset = NESTED ? bnb_mm_offset(absmax_offset, offset_kind) : 0.0f;
     const bool vec_ok = (flags & BNB_MM_AVEC) != 0u;
@@ -284,23 +306,25 @@ template <typename T, bool NESTED>
             acc[i][r] = 0.0f;
         }
     }
-    for (uint k = lane * BNB_MM_CHUNK; k < K; k += BNB_MM_STEP) {
+    for (uint k = lane * C; k < K; k += 32u * C) {
         // Look each weight row's chunk up once...
-        float t[R][BNB_MM_CHUNK];
+        float t[R][C];
         float s[R];
         for (uint r = 0; r < R; ++r) {
             const uint idx = base[r] + k;
-            bnb_mm_decode16(bnb_mm_chunk(B, idx), lut, t[r]);
+            uint w[C / 8u];
+            bnb_mm_chunk<C>(B, idx, w);
+            bnb_mm_decode<C>(w, lut, t[r]);
             s[r] = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
         }
         // ... and use it for every row of A.
         for (uint i = 0; i < MT; ++i) {
             if (i < mcount) {
-                float x[BNB_MM_CHUNK];
-                bnb_mm_load16(A + (m0 + i) * lda + k, vec_ok, x);
+                float x[C];
+                bnb_mm_load<C>(A + (m0 + i) * lda + k, vec_ok, x);
                 for (uint r = 0; r < R; ++r) {
                     float d = 0.0f;
-                    for (uint j = 0; j < BNB_MM_CHUNK; ++j) {
+                    for (uint j = 0; j < C; ++j) {
                         d += x[j] * t[r][j];
                     }
                     acc[i][r] += s[r] * d;
@@ -351,7 +375,8 @@ inline void bnb_mma_dequant16(device const uchar* B, device const float* absmax,
     if (n < N && (K & 15u) == 0u && k < K) {
         // One 8-byte load and one scale for the 16 nibbles (k and K are multiples of 16).
         const uint idx = n * K + k;
-        const uint2 w = bnb_mm_chunk(B, idx);
+        uint w[2];
+        bnb_mm_chunk<16u>(B, idx, w);
         const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
         for (uint j = 0; j < 8u; ++j) {
             const uint b = bnb_mm_byte(w, j);

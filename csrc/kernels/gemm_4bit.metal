@@ -6,7 +6,7 @@
 //
 //   bnb_gemv_4bit_<sc>_<dt>         M = 1 (decode), table read from constant memory
 //   bnb_gemv_4bit_tglut_<sc>_<dt>   the same with the table copied to threadgroup memory
-//   bnb_gemm_4bit_batch_<sc>_<dt>   2 <= M <= 8
+//   bnb_gemm_4bit_batch_<sc>_<dt>   2 <= M <= 8 (and M = 1 when K % 32 != 0)
 //   bnb_gemm_4bit_mma_<sc>_<dt>     larger M, or K % 16 != 0
 //
 // Buffers (the same for all four; unused ones are bound to any non-empty buffer, never read):
@@ -29,7 +29,7 @@
 //                                                  every row start (vector loads)
 //
 // Geometry (threadgroup; grid in threadgroups):
-//   gemv:  (64, 1, 1);  (ceil(N / 8), M, 1)                 K % 16 == 0
+//   gemv:  (64, 1, 1);  (ceil(N / 8), M, 1)                 K % 32 == 0
 //   batch: (128, 1, 1); (ceil(N / 8), ceil(M / 8), 1)       K % 16 == 0
 //   mma:   (128, 1, 1); (ceil(M / 32), ceil(N / 64), 1)     any K
 // Limits (op layer): N*K, (M - 1) * lda + K and M*N below 2^32 - 8192.
