@@ -250,6 +250,12 @@ def test_gemv_out_overload(library):
     strided = torch.full((N, 2), 7.0).t()  # a non-contiguous out
     call(OPS["gemv_4bit.out"], (A, packed, [N, K], absmax, code, bs, strided), {}, ex)
     assert torch.equal(strided, out)
+    base = torch.full((2 * N + 1,), 7.0)
+    shifted = base[1:].view(2, N)  # contiguous, not 16-byte aligned: written in place
+    rec = RecordingExecutor(ex)
+    call(OPS["gemv_4bit.out"], (A, packed, [N, K], absmax, code, bs, shifted), {}, rec)
+    assert torch.equal(shifted, out) and base[0] == 7.0
+    assert rec.launches[0][3][8].byte_offset == 4  # bound at the caller's view
 
 
 # -- accuracy figures on larger shapes ------------------------------------------------------------

@@ -96,16 +96,16 @@ def check_gemm_4bit(
 #   mma    larger M                   prefill / training: simdgroup_matrix tiles, the weight tile
 #                                     dequantized into threadgroup memory once per 32 rows of A
 #
-# Why these switch points: at M = 1 the product is a pure stream over the weight, and the gemv
-# kernel's 64-thread groups keep the most bytes in flight. Up to 8 rows the batch kernel still reads
-# the weight once (the extra rows only add arithmetic on values already in registers), while the
-# mma kernel would spend 32-row tiles on at most 8 rows and pay two threadgroup barriers per K
-# step; above 8 rows the arithmetic (2*M*N*K) outgrows what scalar FMAs keep up with and the
-# 8x8 matrix units take over. The gemv kernel needs K % 32 == 0 and the batch kernel K % 16 == 0
-# (chunks of 32 / 16 nibbles per lane); M = 1 with K % 32 == 16 takes the batch kernel, and
-# K % 16 != 0 (never the case for real models) the mma kernel, the only one that addresses nibbles
-# one by one. The constants are module attributes so
-# that a benchmark can move them; nothing here looks at tensor data.
+# Why these switch points: at M = 1 the product is a pure stream over the weight (2 flops per 4-bit
+# weight); the gemv kernel keeps the activations in registers and issues 16-byte weight loads with
+# no barrier. Up to 8 rows the batch kernel still reads the weight once (the extra rows only add
+# arithmetic on values already in registers, and rows past M are skipped), while the mma kernel
+# would spend 32-row tiles on at most 8 rows and pay two threadgroup barriers per K step. Above 8
+# rows the arithmetic (2*M*N*K) outgrows what scalar FMAs keep up with and the 8x8 matrix units
+# take over. The gemv kernel needs K % 32 == 0 and the batch kernel K % 16 == 0 (chunks of 32 / 16
+# nibbles per lane): M = 1 with K % 32 == 16 takes the batch kernel, and K % 16 != 0 (no real
+# model has it) the mma kernel, the only one that addresses nibbles one by one. The constants are
+# module attributes so that a benchmark on a Mac can move them; nothing here looks at tensor data.
 GEMV_MAX_M = 1
 SMALL_BATCH_MAX_M = 8
 
@@ -245,5 +245,13 @@ def gemv_4bit(executor, A, B, shapeB, absmax, code, blocksize):
 
 @kernel("gemv_4bit.out")
 def gemv_4bit_out(executor, A, B, shapeB, absmax, code, blocksize, out) -> None:
-    into(out, lambda target: _matmul_into(executor, "gemv_4bit.out", target, A, B, shapeB, absmax, blocksize, "code",
-                                          code, None, None, None, None))  # fmt: skip
+    def fill(target):
+        _matmul_into(executor, "gemv_4bit.out", target, A, B, shapeB, absmax, blocksize, "code", code, None, None,
+                     None, None)  # fmt: skip
+
+    # The kernels store the output element by element: any contiguous `out` is written in place
+    # (whatever its alignment); other layouts go through a contiguous temporary.
+    if out.is_contiguous():
+        fill(out)
+    else:
+        into(out, fill)
