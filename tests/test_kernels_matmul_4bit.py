@@ -226,7 +226,8 @@ def test_gemv_reads_the_code_table(library, M):
     packed = torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1)
     absmax = torch.from_numpy(absmax)
     odd_table = torch.linspace(-3, 5, 16) ** 3  # neither NF4 nor FP4, code[1] < 0
-    for code in (bnb_functional.get_4bit_type("nf4", device="cpu"), bnb_functional.get_4bit_type("fp4", device="cpu"), odd_table):
+    codes = [bnb_functional.get_4bit_type(qt, device="cpu") for qt in ("nf4", "fp4")] + [odd_table]
+    for code in codes:
         for dtype in DTYPES:
             A = torch.randn(1, M, K, generator=gen(M)).to(dtype)
             y = call(OPS["gemv_4bit"], (A, packed, [N, K], absmax, code, bs), {}, ex)
@@ -323,7 +324,8 @@ def test_launch_geometry(M, kernel, grid, threads):
     meta = {"device": "meta"}
     args = (torch.empty(M, K, dtype=torch.bfloat16, **meta), torch.empty(N * K // 2, 1, dtype=torch.uint8, **meta),
             [N, K], torch.empty(N * K // 64 // 256, **meta), 64, "nf4", None,
-            torch.empty(N * K // 64, dtype=torch.uint8, **meta), torch.empty(256, **meta), torch.empty((), **meta))  # fmt: skip
+            torch.empty(N * K // 64, dtype=torch.uint8, **meta), torch.empty(256, **meta),
+            torch.empty((), **meta))  # fmt: skip
     rec = RecordingExecutor()
     call(OPS["gemm_4bit"], args, {}, rec)
     assert [(k, g, t) for k, g, t, _ in rec.launches] == [(kernel, grid, threads)]

@@ -77,7 +77,8 @@
 #define BNB_BATCH_SIMDS 4u
 #define BNB_BATCH_ROWS 2u
 #define BNB_BATCH_M 8u                         // rows of A per threadgroup
-#define BNB_MM_ROWS_PER_TG 8u                  // both: BNB_GEMV_SIMDS * BNB_GEMV_ROWS == BNB_BATCH_SIMDS * BNB_BATCH_ROWS
+// Weight rows per threadgroup, both kernels: BNB_GEMV_SIMDS * BNB_GEMV_ROWS == BNB_BATCH_SIMDS * BNB_BATCH_ROWS.
+#define BNB_MM_ROWS_PER_TG 8u
 
 // mma geometry.
 #define BNB_MMA_BM 32u   // rows of A per threadgroup
@@ -424,9 +425,13 @@ template <typename T, bool NESTED>
     constexpr uint BK = BNB_MMA_BK;
     // One buffer, three uses: the A tile [BM][BK] at 0 and the W tile [BK][BN] (k-major, so
     // that it is the right-hand 8x8 operand without transposition) at BM * BK during the K
-    // loop; afterwards the output tile [BM][BN] at 0. 12 KB.
-    threadgroup float smem[1024 + 2048];
+    // loop; afterwards the output tile [BM][BN] (<= the two) at 0. 12 KB.
+    threadgroup float smem[BNB_MMA_BM * BNB_MMA_BK + BNB_MMA_BK * BNB_MMA_BN];
     constexpr uint WS = BM * BK;
+    static_assert(BM * BN <= BM * BK + BK * BN, "the output tile must fit the staging buffer");
+    static_assert(BM * BK == 8u * BNB_MMA_THREADS && BN * BK == 16u * BNB_MMA_THREADS,
+                  "each thread stages 8 values of A and 16 of W per K step");
+    static_assert(BM == 32u && BN == 64u, "4 simdgroups of 16 x 32 outputs");
 
     constant float* lut = bnb_mm_table(code, table);
     const float offset = NESTED ? bnb_mm_offset(absmax_offset, offset_kind) : 0.0f;
