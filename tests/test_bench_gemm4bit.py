@@ -55,3 +55,20 @@ def test_mac_cases(bench):
             break
     else:
         raise AssertionError("missing case")
+
+
+def test_mac_case_functions_run(bench):
+    """The Mac cases' call functions work (run here on CPU tensors by bitsandbytes' own CPU kernels,
+    bnb_mps not being registered for the cpu key): the 4-bit op, its threadgroup-table variant
+    (which restores the module setting) and the dense baseline."""
+    from bnb_mps.ops import matmul_4bit
+
+    cpu = torch.device("cpu")
+    cases = {c.name: c for c in bench.FAMILIES["gemm4bit"]("gpu")}
+    plain = cases["gemm_4bit nf4 nested float16 4096x4096 M=1"]
+    table = cases["gemm_4bit nf4 nested float16 4096x4096 M=1 (threadgroup table)"]
+    y = plain.make(cpu)()
+    assert y.shape == (1, 4096) and y.dtype == torch.float16
+    assert table.make(cpu)().shape == (1, 4096)
+    assert matmul_4bit.GEMV_TABLE == "constant"
+    assert plain.baseline(cpu)().shape == (1, 4096)
