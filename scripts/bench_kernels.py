@@ -89,9 +89,92 @@ def _quant_cases(mode: str) -> Iterator[Case]:
     yield Case("quant", f"dequantize_blockwise {shape}", dequant8, n + 4 * blocks + 2 * n)
 
 
+def _gemm4bit_cases(mode: str) -> Iterator[Case]:
+    """gemm_4bit (bnb.matmul_4bit's op) on double-quantized NF4 weights, blocksize 64, fp16 and bf16.
+
+    On a Mac: the shapes of 7B-class models (N x K = out x in features) at M = 1, 8, 32 and 512
+    rows, side by side with stock bitsandbytes' mps path and a dense fp16 `linear`; at M = 1 also
+    the gemv kernel with its 16-entry table in threadgroup instead of constant memory.
+    Required bytes: packed weight + 8-bit absmax + nested absmax + A + output.
+    Emulated: small shapes, one per kernel path (gemv, batch, mma), plain and nested absmax.
+    """
+    from bitsandbytes.functional import create_dynamic_map
+
+    if mode == "gpu":
+        shapes, rows = [(4096, 4096), (4096, 14336), (14336, 4096), (11008, 4096)], (1, 8, 32, 512)
+        dtypes, nested_options = (torch.float16, torch.bfloat16), (True,)
+    else:
+        shapes, rows = [(96, 256)], (1, 8, 40)
+        dtypes, nested_options = (torch.float16,), (False, True)
+    code = create_dynamic_map(signed=True)
+    blocksize = 64
+    quantized: dict = {}  # (N, K, nested) -> CPU tensors, quantized once; every copy is a `.to(device)`
+    dense_weights: dict = {}
+
+    def weight(N, K, nested, device):
+        key = (N, K, nested)
+        if key not in quantized:
+            W = torch.randn(N, K, dtype=torch.float16)
+            packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, blocksize, "nf4", torch.uint8)
+            if nested:
+                offset = absmax.mean()
+                q8, nested_absmax = torch.ops.bitsandbytes.quantize_blockwise(absmax - offset, code, 256)
+                quantized[key] = [packed, nested_absmax, q8, code, offset]
+            else:
+                quantized[key] = [packed, absmax, None, None, None]
+        packed, *scales = [t.to(device) if t is not None else None for t in quantized[key]]
+        return packed, scales
+
+    def case(N, K, M, dtype, nested, table="constant"):
+        def make(device):
+            packed, (absmax, q8, code8, offset) = weight(N, K, nested, device)
+            A = torch.randn(M, K, dtype=dtype).to(device)
+
+            def call():
+                from bnb_mps.ops import matmul_4bit
+
+                saved, matmul_4bit.GEMV_TABLE = matmul_4bit.GEMV_TABLE, table
+                try:
+                    return torch.ops.bitsandbytes.gemm_4bit(A, packed, [N, K], absmax, blocksize, "nf4", None, q8,
+                                                            code8, offset)  # fmt: skip
+                finally:
+                    matmul_4bit.GEMV_TABLE = saved
+
+            return call
+
+        def dense(device):
+            A = torch.randn(M, K, dtype=torch.float16, device=device)
+            # A dense weight of 64 MB or more is beyond every system-level cache: one copy serves all
+            # rotations (the rotation count follows the 4-bit case's bytes, 4x fewer).
+            if 2 * N * K >= 64 << 20:
+                W = dense_weights.setdefault((N, K, device.type), torch.randn(N, K, dtype=torch.float16, device=device))
+            else:
+                W = torch.randn(N, K, dtype=torch.float16, device=device)
+            return lambda: torch.nn.functional.linear(A, W)
+
+        nblocks = math.ceil(N * K / blocksize)
+        scale_bytes = nblocks + 4 * math.ceil(nblocks / 256) if nested else 4 * nblocks
+        required = (N * K + 1) // 2 + scale_bytes + M * K * dtype.itemsize + M * N * dtype.itemsize
+        name = f"gemm_4bit nf4{' nested' if nested else ''} {str(dtype).removeprefix('torch.')} {N}x{K} M={M}"
+        if table != "constant":
+            name += f" ({table} table)"
+        return Case("gemm4bit", name, make, required, stock=table == "constant",
+                    baseline=dense if mode == "gpu" and table == "constant" else None,
+                    baseline_name="fp16 linear, dense weight")  # fmt: skip
+
+    for dtype in dtypes:
+        for N, K in shapes:
+            for nested in nested_options:
+                for M in rows:
+                    yield case(N, K, M, dtype, nested)
+                    if M == 1 and mode == "gpu":
+                        yield case(N, K, M, dtype, nested, table="threadgroup")
+
+
 #: family name -> function(mode) yielding its cases; mode is "gpu" (a Mac) or "emulated".
 FAMILIES: dict[str, Callable[[str], Iterator[Case]]] = {
     "quant": _quant_cases,
+    "gemm4bit": _gemm4bit_cases,
 }
 
 # -- measuring on a Mac -------------------------------------------------------------------------------

@@ -91,28 +91,51 @@ def _dequantize_4bit(out: bool = False):
 
 
 def _gemv_4bit(out: bool = False):
-    for dtype in FLOATS:
-        for qt in ("nf4", "fp4"):
-            N, K, bs = 64, 128, 64  # N % 32 == 0: bitsandbytes 0.50.2's AVX512-BF16 CPU gemv aborts otherwise
-            packed, absmax = quantized_4bit((N, K), bs, qt, seed=5)
-            A = randn(1, 1, K, dtype=dtype, seed=6)
-            args = [A, packed, [N, K], absmax, get_4bit_type(qt, device="cpu"), bs]
-            if out:
-                args.append(torch.zeros(1, 1, N, dtype=dtype))
-            yield f"{dtype}-{qt}", args
+    # N % 32 == 0 throughout: bitsandbytes 0.50.2's AVX512-BF16 CPU gemv aborts otherwise.
+    # Besides M = 1 (the gemv kernel), one case each for the op layer's batch (M <= 8) and mma paths.
+    shapes = [(f"{dtype}-{qt}", dtype, qt, 64, 128, 64, (1, 1)) for dtype in FLOATS for qt in ("nf4", "fp4")]
+    shapes += [("M4", torch.float16, "fp4", 32, 96, 32, (4,)), ("M10", torch.bfloat16, "nf4", 64, 64, 128, (2, 5))]
+    for label, dtype, qt, N, K, bs, lead in shapes:
+        packed, absmax = quantized_4bit((N, K), bs, qt, seed=5)
+        A = randn(*lead, K, dtype=dtype, seed=6)
+        args = [A, packed, [N, K], absmax, get_4bit_type(qt, device="cpu"), bs]
+        if out:
+            args.append(torch.zeros(*lead, N, dtype=dtype))
+        yield label, args
+    packed, absmax = quantized_4bit((32, 64), 64, "nf4", storage=torch.bfloat16, seed=5)
+    args = [randn(64, dtype=torch.bfloat16, seed=6), packed, [32, 64], absmax, get_4bit_type("nf4", device="cpu"), 64]
+    yield "bf16-storage-1d-A", args + ([torch.zeros(32, dtype=torch.bfloat16)] if out else [])
 
 
 def _gemm_4bit():
+    def nested(absmax):
+        offset = absmax.mean()
+        q8, nested_absmax = torch.ops.bitsandbytes.quantize_blockwise(absmax - offset, signed_code(), 256)
+        return nested_absmax, q8, offset
+
+    N, K, bs = 40, 96, 32
     for dtype in FLOATS:
         for qt in ("nf4", "fp4"):
-            N, K, bs = 40, 96, 32
             packed, absmax = quantized_4bit((N, K), bs, qt, seed=7)
             A = randn(3, 5, K, dtype=dtype, seed=8)
             yield f"{dtype}-{qt}", [A, packed, [N, K], absmax, bs, qt, None, None, None, None]
             bias = randn(N, dtype=dtype, seed=9)
-            offset = absmax.mean()
-            q8, nested = torch.ops.bitsandbytes.quantize_blockwise(absmax - offset, signed_code(), 256)
-            yield f"{dtype}-{qt}-nested-bias", [A, packed, [N, K], nested, bs, qt, bias, q8, signed_code(), offset]
+            nested_absmax, q8, offset = nested(absmax)
+            yield f"{dtype}-{qt}-nested-bias", [A, packed, [N, K], nested_absmax, bs, qt, bias, q8, signed_code(),
+                                                offset]  # fmt: skip
+    # M = 1 and M = 6 (the op layer's gemv and batch kernels; 15 rows above take the mma one),
+    # K % 16 != 0 (blocks start mid-row), a strided A and a bf16-stored weight.
+    packed, absmax = quantized_4bit((N, K), bs, "nf4", seed=7)
+    nested_absmax, q8, offset = nested(absmax)
+    yield "M1-bias", [randn(1, K, dtype=torch.float16, seed=10), packed, [N, K], absmax, bs, "nf4",
+                      randn(N, dtype=torch.float16, seed=9), None, None, None]  # fmt: skip
+    yield "M6-nested", [randn(2, 3, K, dtype=torch.bfloat16, seed=11), packed, [N, K], nested_absmax, bs, "nf4", None,
+                        q8, signed_code(), offset]  # fmt: skip
+    packed33, absmax33 = quantized_4bit((7, 33), 64, "fp4", seed=12)
+    yield "K33", [randn(4, 33, seed=13), packed33, [7, 33], absmax33, 64, "fp4", None, None, None, None]
+    packed, absmax = quantized_4bit((64, 128), 64, "nf4", storage=torch.bfloat16, seed=14)
+    wide = randn(9, 160, dtype=torch.float16, seed=15)
+    yield "bf16-storage-strided-A", [wide[:, 16:144], packed, [64, 128], absmax, 64, "nf4", None, None, None, None]
 
 
 def _int8_vectorwise_quant():

@@ -140,17 +140,20 @@ def test_from_pretrained_4bit_quantizes_bit_exact_and_forward_matches(saved_mode
     ids = token_batch(original.config.vocab_size)
     with use_emulated_kernels() as kernels, torch.no_grad():
         logits = model(input_ids=ids).logits
-    # Each 4-bit layer dequantizes its weight (and first its nested absmax) with our kernels.
-    assert kernels.launched.count(f"bnb_dequantize_4bit_{quant_type}_f32") == len(layers)
-    assert kernels.launched.count("bnb_dequantize_blockwise_f32") == (len(layers) if double_quant else 0)
+    # Each 4-bit layer runs one fused 4-bit matmul kernel (nested absmax decoded inside it); no
+    # weight is dequantized.
+    matmuls = [k for k in kernels.launched if k.startswith(("bnb_gemm_4bit_", "bnb_gemv_4bit_"))]
+    assert len(matmuls) == len(layers), kernels.launched
+    assert all(k.endswith("_nested_f32" if double_quant else "_absmax_f32") for k in matmuls), matmuls
+    assert not any(k.startswith("bnb_dequantize") for k in kernels.launched), kernels.launched
 
     with torch.no_grad():
         want = reference_dequantized_model(original, layers, quant_type, double_quant)(input_ids=ids).logits
         full_precision = original(input_ids=ids).logits
-    # Both models run the same fp32 ops on weights that should be bit-identical (the SPEC
-    # dequantization), so only summation-order noise of float32 matmuls may separate them: a few
-    # ulps of logits of magnitude < 1 (0 measured here), while quantizing moves the logits by
-    # ~0.07, which the next line checks so that this comparison can tell the two apart.
+    # Both models compute with the same weights (the SPEC dequantization, in float32), so only
+    # summation-order noise of float32 matmuls may separate them: a few ulps of logits of
+    # magnitude < 1, while quantizing moves the logits by ~0.07, which the next line checks so
+    # that this comparison can tell the two apart.
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     assert (full_precision - want).abs().max() > 1e-2
 

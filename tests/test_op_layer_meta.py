@@ -59,10 +59,13 @@ def misaligned(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-# Buffers each kernel reads or writes with vector accesses (csrc/kernels/quantize_*.h).
+# Buffers each kernel reads or writes with vector accesses (csrc/kernels/quantize_*.h,
+# gemm_4bit.h; the matmul kernels read A, buffer 0, with vectors only when their flags say it is
+# aligned: tests/test_kernels_matmul_4bit.py checks that flag).
 VECTOR_BUFFERS = {
     "bnb_quantize_blockwise_": (0, 2), "bnb_dequantize_blockwise_": (0, 3),
     "bnb_quantize_4bit_": (0, 1), "bnb_dequantize_4bit_": (0, 2),
+    "bnb_gemv_4bit_": (1,), "bnb_gemm_4bit_": (1,),
 }  # fmt: skip
 
 

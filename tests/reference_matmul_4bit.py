@@ -1,0 +1,170 @@
+"""A float64 reference of SPEC.md section 4 (gemv_4bit / gemm_4bit), and the error measures the
+matmul tests use.
+
+Written from SPEC alone (sections 3 and 4), independent of any kernel:
+- the weight is dequantized exactly as SPEC section 3 says, in float32:
+  `w[n, k] = fl32(table[nibble(n*K + k)] * scale[(n*K + k) // blocksize])`, nibble 2j the high
+  nibble of byte j, blocks flat (straddling rows); with double quantization
+  `scale_b = fl32(fl32(absmax_code[absmax_8bit[b]] * nested_absmax[b // 256]) + offset)` where an
+  fp16/bf16 offset is upcast exactly;
+- the product is taken in float64: `y = A @ w.T + bias` (float64 products and sums of the exact
+  float32 / fp16 / bf16 inputs), i.e. the value the float32-accumulated kernel approximates before
+  its one rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+import spec_reference as ref
+
+F32 = np.float32
+
+
+def table(quant_type_or_code) -> np.ndarray:
+    """The 16 nibble values: SPEC's NF4 / FP4 table, or a given 16-entry code (gemv_4bit's input)."""
+    if isinstance(quant_type_or_code, str):
+        return ref.table_4bit(quant_type_or_code)
+    c = quant_type_or_code.detach().reshape(-1).to(torch.float32).numpy()
+    assert c.size == 16, c.size
+    return c
+
+
+def block_scales(absmax, absmax_8bit=None, absmax_code=None, absmax_offset=None) -> np.ndarray:
+    """Per-block float32 scales: plain absmax, or the nested decode of SPEC section 3."""
+    if absmax_8bit is None:
+        return absmax.detach().reshape(-1).to(torch.float32).numpy()
+    q = absmax_8bit.detach().reshape(-1).numpy().astype(np.int64)
+    code = absmax_code.detach().reshape(-1).to(torch.float32).numpy()
+    nested = absmax.detach().reshape(-1).to(torch.float32).numpy()
+    offset = F32(absmax_offset.detach().to(torch.float32).reshape(-1)[0].item())
+    prod = code[q] * np.repeat(nested, 256)[: q.size]  # float32 products: fl32(code * nested)
+    return (prod + offset).astype(F32)  # fl32(. + offset)
+
+
+def dequantized_weight(B: torch.Tensor, shapeB, blocksize: int, quant_type_or_code, absmax, absmax_8bit=None,
+                       absmax_code=None, absmax_offset=None) -> np.ndarray:  # fmt: skip
+    """dequant(W) as a float32 [N, K] array (SPEC section 3, any storage dtype of B read as bytes)."""
+    N, K = shapeB
+    n = N * K
+    nib = ref.unpack_nibbles(B, n).astype(np.int64)
+    scales = block_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
+    w = table(quant_type_or_code)[nib] * np.repeat(scales, blocksize)[:n]  # float32 * float32 -> float32
+    return w.astype(F32).reshape(N, K)
+
+
+def matmul(A: torch.Tensor, W: np.ndarray, bias=None) -> np.ndarray:
+    """float64 `A @ W.T (+ bias)` with A's leading shape kept."""
+    A64 = A.detach().to(torch.float64).numpy()
+    y = A64 @ W.astype(np.float64).T
+    if bias is not None:
+        y = y + bias.detach().to(torch.float64).numpy()
+    return y
+
+
+def magnitude(A: torch.Tensor, W: np.ndarray, bias=None) -> np.ndarray:
+    """S = |A| @ |W|.T (+ |bias|): the size of the sum each output element is, the scale any
+    floating-point summation error of that element is measured against."""
+    S = np.abs(A.detach().to(torch.float64).numpy()) @ np.abs(W.astype(np.float64)).T
+    if bias is not None:
+        S = S + np.abs(bias.detach().to(torch.float64).numpy())
+    return S
+
+
+def ulp32(x: np.ndarray) -> np.ndarray:
+    """The float32 unit in the last place of |x| (2^-149 below the smallest normal)."""
+    return ulp(x, torch.float32)
+
+
+def as_f64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).numpy()
+
+
+def dequantize_then_linear(A: torch.Tensor, W: np.ndarray, bias=None, device="cpu") -> torch.Tensor:
+    """The path bitsandbytes takes without a fused kernel: the weight dequantized to A's dtype, then
+    torch's linear in that dtype (on `device`; the result comes back to the CPU)."""
+    Wt = torch.from_numpy(W).to(A.dtype).to(device)
+    b = bias.to(device) if bias is not None else None
+    return torch.nn.functional.linear(A.to(device), Wt, b).cpu()
+
+
+def max_abs(x) -> float:
+    x = np.asarray(x)
+    return float(np.max(np.abs(x))) if x.size else 0.0
+
+
+def rel_to_ulp_of_sum(y: torch.Tensor, want: np.ndarray, S: np.ndarray) -> float:
+    """max |y - want| / ulp32(S): the error in float32 ulps of the magnitude of each element's sum."""
+    if y.numel() == 0:
+        return 0.0
+    return float(np.max(np.abs(as_f64(y) - want) / ulp32(S)))
+
+
+def blocks(n: int, size: int) -> int:
+    return math.ceil(n / size)
+
+
+# (mantissa bits, smallest normal exponent) of the output dtypes
+_FORMATS = {torch.float16: (10, -14), torch.bfloat16: (7, -126), torch.float32: (23, -126)}
+
+
+def ulp(x, dtype: torch.dtype) -> np.ndarray:
+    """The unit in the last place of |x| in `dtype` (subnormal spacing below the smallest normal)."""
+    mant, emin = _FORMATS[dtype]
+    x = np.abs(np.asarray(x, dtype=np.float64))
+    e = np.floor(np.log2(np.maximum(x, 2.0**emin)))
+    return np.exp2(e - mant)
+
+
+def fp32_ulps(K: int) -> float:
+    """The float32 error allowed per output element, in ulps of its magnitude S = sum |a*w|: 4 ulps
+    up to K = 1024 terms, growing like sqrt(K) beyond (the typical growth of rounding error in a
+    float32 sum of K terms; the worst case grows like K)."""
+    return 4.0 * max(1.0, math.sqrt(K / 1024))
+
+
+#: outputs with at least this many elements are also compared in aggregate with the
+#: dequantize-then-linear path (max and mean error); a handful of elements says nothing statistically.
+AGGREGATE_MIN = 256
+
+
+def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, linear_device="cpu") -> dict:
+    """Asserts SPEC section 4's accuracy target for y ~ A @ W.T (+ bias) and returns the figures.
+
+    - float32: |y - linear32| <= fp32_ulps(K) ulps of S per element, where linear32 is torch's
+      float32 `linear(A, W)` of the same dequantized weight (and bias).
+    - float16 / bfloat16, per element: |y - y64| <= 0.5 ulp_T(y64) + fp32_ulps(K) float32 ulps of S
+      (rounded once to T, up to float32 accumulation error); and, for outputs of at least
+      AGGREGATE_MIN elements, max and mean |y - y64| no larger than those of the
+      dequantize-then-linear path in T (slack: one float32 ulp of max S on the max, 1% on the mean).
+    `linear_device` is where torch's fp16/bf16 linear of the comparison runs. y, A, bias: CPU tensors.
+    """
+    K = A.shape[-1]
+    want = matmul(A, W, bias)
+    S = magnitude(A, W, bias)
+    got = as_f64(y)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    # (float32: always the CPU's IEEE linear, the reference the target names)
+    lin = as_f64(dequantize_then_linear(A, W, bias, "cpu" if y.dtype == torch.float32 else linear_device))
+    if got.size == 0:
+        return {}
+    tol = fp32_ulps(K)
+    if y.dtype == torch.float32:
+        err = np.abs(got - lin) / ulp32(S)
+        assert err.max() <= tol, f"float32 error {err.max():.2f} ulps of S > {tol:.2f}"
+        vs_f64 = np.abs(got - want) / ulp32(S)
+        return {"ulps_of_S_vs_linear32": float(err.max()), "ulps_of_S_vs_f64": float(vs_f64.max())}
+    e = np.abs(got - want)
+    bound = 0.5 * ulp(np.maximum(np.abs(want), np.abs(got)), y.dtype) + tol * ulp32(S)
+    bad = e > bound
+    assert not bad.any(), f"{int(bad.sum())} elements off by more than half an ulp (max excess {(e - bound).max():.3g})"
+    e_lin = np.abs(lin - want)
+    figures = {"max_err": float(e.max()), "max_err_dequant_linear": float(e_lin.max()),
+               "mean_err": float(e.mean()), "mean_err_dequant_linear": float(e_lin.mean())}  # fmt: skip
+    if got.size >= AGGREGATE_MIN:
+        assert e.max() <= e_lin.max() + ulp32(S).max(), figures
+        assert e.mean() <= 1.01 * e_lin.mean(), figures
+    return figures
