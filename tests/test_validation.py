@@ -297,6 +297,13 @@ HUGE_CASES = [
     ("dequantize_4bit.out", lambda: [torch.empty(HUGE // 2, dtype=torch.uint8, device="meta"),
                                      torch.empty(HUGE // 64, device="meta"), 64, "nf4", [HUGE], torch.float16,
                                      torch.empty(HUGE, dtype=torch.float16, device="meta")]),
+    ("gemm_4bit", lambda: [torch.empty(1, 2**16, dtype=torch.float16, device="meta"),
+                           torch.empty(HUGE // 2, dtype=torch.uint8, device="meta"),
+                           [HUGE // 2**16, 2**16], torch.empty(HUGE // 64, device="meta"), 64, "nf4"]),
+    ("gemv_4bit", lambda: [torch.empty(1, 2**16, dtype=torch.float16, device="meta"),
+                           torch.empty(HUGE // 2, dtype=torch.uint8, device="meta"),
+                           [HUGE // 2**16, 2**16], torch.empty(HUGE // 64, device="meta"),
+                           torch.empty(16, device="meta"), 64]),
 ]  # fmt: skip
 
 

@@ -169,8 +169,6 @@ def _matmul_into(executor, op, out, A, B, shapeB, absmax, blocksize, table, code
         out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
         return
     A2 = _rows(A)
-    check_size(op, "shapeB", N * K)
-    check_size(op, "the output", M * N)
     A_bound, lda = _bind_rows(A2)
     check_size(op, "A", A_bound.numel())
     A_aligned = is_aligned(A_bound) and (lda * A.element_size()) % VECTOR_ALIGN == 0
@@ -223,14 +221,19 @@ def _constant_buffer(code: torch.Tensor) -> torch.Tensor:
     return code if (code.storage_offset() * code.element_size()) % _CONSTANT_ALIGN == 0 else code.clone()
 
 
-def _output(A: torch.Tensor, N: int) -> torch.Tensor:
+def _output(op: str, A: torch.Tensor, shapeB) -> torch.Tensor:
+    """The output [*A.shape[:-1], N], allocated once the sizes are known to fit 32-bit indexing."""
+    N, K = shapeB
+    check_size(op, "shapeB", N * K)
+    check_size(op, "the output", math.prod(A.shape[:-1]) * N)
+    check_size(op, "A", A.numel())
     return torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
 
 
 @kernel("gemm_4bit")
 def gemm_4bit(executor, A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
               absmax_offset=None):  # fmt: skip
-    out = _output(A, shapeB[0])
+    out = _output("gemm_4bit", A, shapeB)
     _matmul_into(executor, "gemm_4bit", out, A, B, shapeB, absmax, blocksize, quant_type, None, bias, absmax_8bit,
                  absmax_code, absmax_offset)  # fmt: skip
     return out
@@ -238,7 +241,7 @@ def gemm_4bit(executor, A, B, shapeB, absmax, blocksize, quant_type, bias=None, 
 
 @kernel("gemv_4bit")
 def gemv_4bit(executor, A, B, shapeB, absmax, code, blocksize):
-    out = _output(A, shapeB[0])
+    out = _output("gemv_4bit", A, shapeB)
     _matmul_into(executor, "gemv_4bit", out, A, B, shapeB, absmax, blocksize, "code", code, None, None, None, None)
     return out
 
@@ -249,6 +252,9 @@ def gemv_4bit_out(executor, A, B, shapeB, absmax, code, blocksize, out) -> None:
         _matmul_into(executor, "gemv_4bit.out", target, A, B, shapeB, absmax, blocksize, "code", code, None, None,
                      None, None)  # fmt: skip
 
+    N, K = shapeB
+    check_size("gemv_4bit.out", "shapeB", N * K)
+    check_size("gemv_4bit.out", "out", out.numel())
     # The kernels store the output element by element: any contiguous `out` is written in place
     # (whatever its alignment); other layouts go through a contiguous temporary.
     if out.is_contiguous():
