@@ -26,6 +26,14 @@
 // functions, because OpenCL's own kernel rules (no templates, no references) are not Metal's.
 #define kernel
 #define METAL_FUNC inline
+// OpenCL keywords that are ordinary identifiers in Metal (a variable named `local` is fine there).
+#define local bnb_as_identifier_local
+#define global bnb_as_identifier_global
+#define generic bnb_as_identifier_generic
+#define read_only bnb_as_identifier_read_only
+#define write_only bnb_as_identifier_write_only
+#define read_write bnb_as_identifier_read_write
+#define pipe bnb_as_identifier_pipe
 #define __METAL_VERSION__ 310
 #define __HAVE_BFLOAT__ 1
 #define __METAL_BNB_ADDRESS_SPACE_CHECK__ 1
@@ -62,6 +70,22 @@ BNB_AS_VECTORS(half)
 BNB_AS_VECTORS(bfloat)
 BNB_AS_VECTORS(float)
 #undef BNB_AS_VECTORS
+// Packed vectors: modelled as plain vectors (their sizeof differs for 3 components; the check does
+// not evaluate layouts).
+#define BNB_AS_PACKED(T)                  \
+  typedef vec<T, 2> packed_##T##2;        \
+  typedef vec<T, 3> packed_##T##3;        \
+  typedef vec<T, 4> packed_##T##4;
+BNB_AS_PACKED(char)
+BNB_AS_PACKED(uchar)
+BNB_AS_PACKED(short)
+BNB_AS_PACKED(ushort)
+BNB_AS_PACKED(int)
+BNB_AS_PACKED(uint)
+BNB_AS_PACKED(half)
+BNB_AS_PACKED(bfloat)
+BNB_AS_PACKED(float)
+#undef BNB_AS_PACKED
 
 namespace metal {
 namespace bnb_as {
