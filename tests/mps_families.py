@@ -264,7 +264,7 @@ def finite_input(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
-# -- the quantization families (SPEC sections 1-3, reference: tests/spec_reference.py) -------------
+# -- the quantization families (docs/semantics.md sections 1-3, reference: tests/spec_reference.py) --
 
 
 def signed_code() -> torch.Tensor:
@@ -466,7 +466,7 @@ def _fourbit_features(n: int) -> Iterator[Case]:
 
 def _functional_4bit_double_quant(A: torch.Tensor, bs: int, qt: str) -> Case:
     """F.quantize_4bit(compress_statistics=True) and F.dequantize_4bit: packed bytes, the 8-bit
-    absmax with its nested absmax and offset, and the dequantized weights (SPEC section 3)."""
+    absmax with its nested absmax and offset, and the dequantized weights (docs/semantics.md section 3)."""
     code = signed_code()
     packed_ref, absmax_ref = ref.quantize_4bit(A, bs, qt)
 
