@@ -322,7 +322,8 @@ _UNDECLARED = re.compile(r"use of undeclared identifier|no member named .* in na
 
 
 def _metal_words(msg: str) -> str:
-    msg = _AS_WORD.sub(lambda m: _AS_NAMES[m.group(1)], msg)
+    msg = re.sub(r"([*&])\s*__private\b", r"\1", msg)  # where a pointer variable itself lives: noise
+    msg = _AS_WORD.sub(lambda m: _AS_NAMES[m.group(1)], msg).replace("_Float16", "bfloat")
     msg = msg.replace("::metal::bnb_as::make_vec", "vector constructor").replace("metal::bnb_as::make_vec", "vector constructor")
     return msg.replace("metal::bnb_as::threadgroup_variable", "threadgroup variable")
 
@@ -555,23 +556,51 @@ def _given_files(paths: list[Path]) -> list[Path]:
 
 
 def kernel_files(paths: list[Path]) -> list[Path]:
-    """The files to compile: every .metal file, and every .h file no given .metal file includes."""
+    """The files to compile: every given .metal file; for a given .h file that no given .metal
+    file includes, the .metal files beside it that include it (so that its templates are checked
+    as instantiated), else the header on its own."""
     files = _given_files(paths)
     metal = [f for f in files if f.suffix == ".metal"]
     included: set[Path] = set()
     for f in metal:
         included.update(translation_unit(f)[1])
-    return metal + [f for f in files if f.suffix != ".metal" and f.resolve() not in included]
+    extra: list[Path] = []
+    for header in (f for f in files if f.suffix != ".metal" and f.resolve() not in included):
+        users = [m for m in sorted(header.resolve().parent.glob("*.metal"))
+                 if m not in extra and header.resolve() in translation_unit(m)[1]]
+        if users:
+            extra += users
+            for m in users:
+                included.update(translation_unit(m)[1])
+        else:
+            extra.append(header)
+    return metal + extra
 
 
 def check_paths(paths: list[Path], clang: Clang | None = None) -> list[Finding]:
-    """Address-space findings for files and directories (as `python -m bnb_mps.msl_lint` takes them)."""
-    clang = clang or find_clang()
-    names = {str(f.resolve()): str(f) for f in _given_files(paths)}
+    """Address-space findings for files and directories (as `python -m bnb_mps.msl_lint` takes
+    them): findings in the given files and in what they include (not in a .metal file compiled
+    only because it instantiates a given header)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    clang = clang or find_clang()
+    given = _given_files(paths)
+    names = {str(f.resolve()): str(f) for f in given}
+    wanted: set[str] = set()
+    for f in given:
+        wanted.update(str(p) for p in translation_unit(f)[1])
     files = kernel_files(paths)
     with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
         results = list(pool.map(lambda f: check_file(f, clang, names), files))
-    findings = [f for r in results for f in r]
-    return sorted(set(findings), key=lambda f: (f.path, f.line, f.rule, f.message))
+    displayed = {_display(w, names) for w in wanted}
+    return _one_per_line([f for r in results for f in r if f.path in displayed])
+
+
+def _one_per_line(findings: list[Finding]) -> list[Finding]:
+    """One finding per file, line and rule: a template error repeats once per instantiation
+    (float, half, bfloat, ...) with only the types differing."""
+    by_place: dict[tuple[str, int, str], list[str]] = {}
+    for f in sorted(set(findings), key=lambda f: (f.path, f.line, f.rule, f.message)):
+        by_place.setdefault((f.path, f.line, f.rule), []).append(f.message)
+    return [Finding(path, line, rule, msgs[0] + (f" [and {len(msgs) - 1} more like it at this line]" if len(msgs) > 1 else ""))
+            for (path, line, rule), msgs in by_place.items()]
