@@ -113,3 +113,21 @@ def test_overlapping_lint_findings_are_merged(clang):
     assert skipped is None
     lines = [f.line for f in findings if f.rule == "address-space"]
     assert len(lines) == len(set(lines))
+
+
+def test_a_header_given_alone_is_checked_as_instantiated(clang, tmp_path):
+    """A template in a header is only fully checked where it is instantiated: the .metal files
+    beside it that include it are compiled, and only the header's findings are reported."""
+    (tmp_path / "helpers.h").write_text(
+        "#pragma once\n#include <metal_stdlib>\nusing namespace metal;\n"
+        "template <typename T>\ninline void copy_in(device T* dst, const device T* src, uint i) {\n"
+        "    thread T* p = dst;\n    p[i] = src[i];\n}\n")
+    (tmp_path / "k.metal").write_text(
+        '#include "helpers.h"\n\ntemplate <typename T>\n[[kernel]] void k(device T* a [[buffer(0)]], '
+        "device const T* b [[buffer(1)]], uint i [[thread_position_in_grid]]) {\n    copy_in(a, b, i);\n}\n"
+        'template [[host_name("k_f")]] [[kernel]] decltype(k<float>) k<float>;\n'
+        "kernel void unrelated(device float* o [[buffer(0)]]) { thread float* q = o; q[0] = 1; }\n")
+    findings = address_space.check_paths([tmp_path / "helpers.h"], clang)
+    assert [(Path(f.path).name, f.line, f.rule) for f in findings] == [("helpers.h", 6, "address-space")]
+    both = address_space.check_paths([tmp_path], clang)
+    assert sorted((Path(f.path).name, f.line) for f in both) == [("helpers.h", 6), ("k.metal", 9)]
