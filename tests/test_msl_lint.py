@@ -96,7 +96,8 @@ def test_comments_and_strings_are_ignored_but_lines_kept():
 
 @pytest.mark.parametrize("snippet", [
     # top-level declarations that are not variables
-    "struct S { float a; float get() const thread { return a; } };\nenum E { kA = 1 };\ntypedef float real;\n"
+    "struct S { float a; float get() const thread { return a; } S() = default; S(const thread S&) = delete; };\n"
+    "enum E { kA = 1 };\ntypedef float real;\n"
     "using real2 = float2;\nbool helper(uint x);\nstatic_assert(sizeof(float) == 4, \"float\");\n"
     "template <typename T> inline T twice(T x) { return x + x; }\n",
     # macro invocations without a semicolon, then a constant table

@@ -589,8 +589,8 @@ class _Linter:
         code = self.code
         for m in re.finditer(r"\b(goto|new|delete|virtual|dynamic_cast|typeid|try|catch|throw|thread_local|register)\b", code):
             word = m.group(1)
-            if word in ("new", "delete") and re.search(r"\boperator\s*$", code[: m.start()]):
-                pass
+            if word == "delete" and re.search(r"=\s*$", code[max(0, m.start() - 20) : m.start()]):
+                continue  # a deleted function (`= delete`), not the operator
             self.report(m.start(), "unsupported-cxx", f"`{word}` is not supported by Metal")
 
 
