@@ -77,7 +77,8 @@ setup_venv() {
     # .pth file instead of downloading them; bnb-mps itself is installed into the new venv.
     "$PY" -m venv --without-pip "$VENV" || return 1
     local parent site
-    parent=$("$PY" -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' | sort -u)
+    # Every site directory of the invoking Python (its venv, the system's, the user's).
+    parent=$("$PY" -c 'import os, sys; print("\n".join(dict.fromkeys(p for p in sys.path if os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages"))))')
     site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     printf '%s\n' "$parent" > "$site/_bnb_mps_acceptance_parent.pth"
     "$VENV/bin/python" -m pip --version >/dev/null 2>&1 || { echo "pip is not importable from $PY"; return 1; }
