@@ -1,11 +1,12 @@
-"""A plain reference of SPEC.md sections 1-3 (blockwise 8-bit and 4-bit NF4/FP4 quantization).
+"""A plain reference of docs/semantics.md sections 1-3 (blockwise 8-bit and 4-bit NF4/FP4
+quantization).
 
-Written from SPEC.md alone, independent of any kernel: vectorised numpy in float32, rounding to
-float32 after every operation exactly where SPEC does (`fl32(1 / absmax)`, then `fl32(x * r)`,
-thresholds `fl32(c_k + c_{k+1}) / 2`). Tensors in and out are torch tensors on the CPU.
+Written from docs/semantics.md alone, independent of any kernel: vectorised numpy in float32,
+rounding to float32 after every operation exactly where that page does (`fl32(1 / absmax)`, then
+`fl32(x * r)`, thresholds `fl32(c_k + c_{k+1}) / 2`). Tensors in and out are torch tensors on the CPU.
 
-One choice where SPEC is silent: a block whose elements are all NaN has absmax 0 (NaN is ignored
-by the max, and the max of nothing is the all-zero block's 0), like bitsandbytes' CPU quantizer.
+A block whose elements are all NaN has absmax 0: the page's maximum ignores NaN and the maximum of
+no elements is 0 (as bitsandbytes' CPU quantizer does).
 """
 
 from __future__ import annotations

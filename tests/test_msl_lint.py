@@ -15,7 +15,10 @@ from bnb_mps.msl import source as kernel_source
 CASES = Path(__file__).parent / "lint_cases"
 BAD_CASES = sorted(p for p in CASES.glob("*.metal") if p.name != "clean.metal")
 RULES = {"double", "std", "libc", "lambda", "recursion", "address-space", "threadgroup-param",
-         "include", "function-constant", "threadgroup-array", "non-ascii"}
+         "include", "function-constant", "threadgroup-array", "non-ascii",
+         # rules of the Metal Shading Language specification / the executors' binding contract
+         "program-scope", "threadgroup-scope", "threadgroup-init", "kernel-return", "buffer-index",
+         "kernel-param", "unsupported-cxx"}
 
 
 def expected_findings(path: Path) -> set[tuple[int, str]]:
@@ -52,9 +55,9 @@ def test_project_kernels_pass():
 LEGIT = [
     "inline float f(device const float* x) { return x[0]; }",
     "inline void f(thread float& r) { r = 1.0f; }",
-    "kernel void k(constant uint& n [[buffer(2)]], device float* o [[buffer(0)]]) { o[0] = float(n); }",
+    "kernel void k(constant uint& n [[buffer(1)]], device float* o [[buffer(0)]]) { o[0] = float(n); }",
     "kernel void k(device float* o [[buffer(0)]]) { threadgroup float buf[256]; buf[0] = 1; o[0] = buf[0]; }",
-    "template <typename T, uint N> inline T g(const thread T* v) { threadgroup T t[N]; return v[0]; }",
+    "template <typename T, uint N> kernel void g(device T* v [[buffer(0)]]) { threadgroup T t[N]; t[0] = v[0]; }",
     "inline float f(float a, float b) { return metal::precise::divide(a, b); }",
     "inline float f(float a) { return metal::precise::sqrt(a) * a; }",
     "inline uint f(uint a, uint b) { uint c = a & b; uint d = a * b; return c + d; }",
@@ -89,6 +92,25 @@ def test_comments_and_strings_are_ignored_but_lines_kept():
     assert code.count("\n") == src.count("\n") and len(code) == len(src) == len(no_strings)
     findings = msl_lint.lint_source(src)
     assert [(f.line, f.rule) for f in findings if f.rule == "double"] == [(5, "double")]
+
+
+@pytest.mark.parametrize("snippet", [
+    # top-level declarations that are not variables
+    "struct S { float a; float get() const thread { return a; } S() = default; S(const thread S&) = delete; };\n"
+    "enum E { kA = 1 };\ntypedef float real;\n"
+    "using real2 = float2;\nbool helper(uint x);\nstatic_assert(sizeof(float) == 4, \"float\");\n"
+    "template <typename T> inline T twice(T x) { return x + x; }\n",
+    # macro invocations without a semicolon, then a constant table
+    "#define INST(n) kernel void k##n(device float* o [[buffer(0)]]) { o[0] = n; }\nINST(1)\nINST(2)\n"
+    "constant float kTable[2] = {1.0f, 2.0f};\n",
+    # namespaces are transparent
+    "namespace detail {\nconstant float kOne = 1.0f;\ninline float one() { return kOne; }\n}\n",
+    # every built-in input type Metal accepts
+    "kernel void k(device float* o [[buffer(0)]], uint3 a [[thread_position_in_grid]], ushort2 b [[threadgroup_position_in_grid]],"
+    " ushort c [[thread_index_in_simdgroup]], uint d [[simdgroups_per_threadgroup]], uint3 e [[threads_per_grid]]) { o[0] = 0; }",
+])
+def test_metal_rules_accept_legitimate_source(snippet):
+    assert msl_lint.lint_source("#include <metal_stdlib>\nusing namespace metal;\n" + snippet) == []
 
 
 def test_cli_exit_codes():

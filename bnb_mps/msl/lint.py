@@ -7,6 +7,15 @@ forbid so that kernels stay emulator- and `compile_shader`-friendly (`[[threadgr
 parameters, function constants, non-constant-size threadgroup arrays, non-metal includes,
 non-ASCII text).
 
+It also enforces rules of the Metal Shading Language specification that a kernel here could
+break and that neither the emulator nor the address-space check sees: program-scope variables
+live in `constant`; `threadgroup` variables are declared in a kernel's body, without an
+initializer; kernels return void; every kernel parameter carries a buffer index (unique, below
+31, and, because executors bind launch argument i to `[[buffer(i)]]`, numbered 0..k-1) or a
+built-in input attribute of a type Metal accepts for it; buffer parameters are device/constant
+pointers or references, scalars of a type `bnb_mps.kernel_args` binds; no `goto`, `new`/`delete`,
+virtual functions, exceptions, RTTI or `thread_local`.
+
 It works on the source with comments and string literals blanked out (line numbers kept); the
 checks are regular expressions plus a little bracket matching, deliberately conservative.
 
@@ -67,6 +76,101 @@ _NOT_FUNCTIONS = frozenset(
 )
 # Words that can start a statement without being a type.
 _NOT_TYPES = frozenset("return else do case goto throw delete new typedef using sizeof".split())
+
+_KERNEL_MARK = re.compile(r"\bkernel\b|\[\[\s*kernel\s*\]\]")
+# Built-in kernel inputs: the position-like ones take uint/ushort scalars or 2-/3-vectors, the
+# others a uint or ushort scalar.
+_POSITION_INPUTS = frozenset(
+    "thread_position_in_grid thread_position_in_threadgroup threadgroup_position_in_grid threads_per_threadgroup "
+    "threadgroups_per_grid threads_per_grid dispatch_threads_per_threadgroup grid_origin grid_size".split()
+)
+_INDEX_INPUTS = frozenset(
+    "thread_index_in_threadgroup thread_index_in_simdgroup simdgroup_index_in_threadgroup threads_per_simdgroup "
+    "simdgroups_per_threadgroup dispatch_simdgroups_per_threadgroup thread_execution_width thread_index_in_quadgroup "
+    "quadgroup_index_in_threadgroup quadgroups_per_threadgroup dispatch_quadgroups_per_threadgroup".split()
+)
+_BUILTIN_INPUTS = _POSITION_INPUTS | _INDEX_INPUTS
+_POSITION_TYPES = frozenset("uint uint2 uint3 ushort ushort2 ushort3".split())
+_INDEX_TYPES = frozenset("uint ushort".split())
+#: the scalar types bnb_mps.kernel_args binds to `constant T&` parameters
+_BINDABLE_SCALARS = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "float")
+#: built-in scalars a launch cannot pass as a `constant T&` scalar (pointer-sized, or no kernel_args type)
+_UNBINDABLE_SCALARS = frozenset("size_t ptrdiff_t intptr_t uintptr_t bfloat".split())
+_NOT_VARIABLE_STARTS = frozenset(
+    "template typedef using namespace struct class union enum static_assert extern return operator friend "
+    "public private protected".split()
+)
+
+
+def _blank_preprocessor(code: str) -> str:
+    """Preprocessor lines (with their continuations) -> spaces, newlines kept."""
+    out, lines, cont = [], code.split("\n"), False
+    for line in lines:
+        if cont or line.lstrip().startswith("#"):
+            cont = line.rstrip().endswith("\\")
+            out.append(" " * len(line))
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _top_level_statements(code: str) -> list[tuple[int, int]]:
+    """(start, end) of statements outside every function, type and initializer body (namespace
+    bodies are transparent); a braced body ends the statement it belongs to unless a `;` or `,`
+    follows (then the body is an initializer or a type with declarators)."""
+    spans: list[tuple[int, int]] = []
+    i, n, start = 0, len(code), 0
+    while i < n:
+        ch = code[i]
+        if ch == ";":
+            spans.append((start, i))
+            start = i + 1
+        elif ch == "{":
+            before = code[start:i]
+            if re.search(r"\bnamespace\b[^;{}]*$", before) or re.search(r'\bextern\s*"', before):
+                start = i + 1  # namespace body: keep scanning at the top level
+            else:
+                close = _match_bracket(code, i)
+                after = code[close:].lstrip()
+                if after[:1] in (";", ",") or re.search(r"=\s*$", before):
+                    i = close
+                    continue
+                spans.append((start, close))
+                start = close
+                i = close
+                continue
+        elif ch == "}":
+            start = i + 1  # end of a namespace body
+        i += 1
+    return [(s, e) for s, e in spans if code[s:e].strip()]
+
+
+def _before_initializer(text: str) -> str:
+    """The declaration part of a statement: up to its first `=` outside brackets (or a body)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            if ch == "{" and depth == 0 and "(" in text[:i]:
+                return text[:i]
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "=" and depth == 0 and text[i + 1 : i + 2] != "=" and text[i - 1 : i] not in "<>!=":
+            return text[:i]
+    return text
+
+
+def _skip_macro_calls(text: str) -> str:
+    """Drops leading macro invocations written without a semicolon, e.g. `INSTANTIATE(a, b)`."""
+    while True:
+        m = re.match(r"\s*[A-Z_][A-Z0-9_]*\s*\(", text)
+        if m is None:
+            return text.strip()
+        close = _match_bracket(text, m.end() - 1)
+        rest = text[close:]
+        if not rest.strip() or re.match(r"\s*[;{=\[]", rest):
+            return text.strip() if re.match(r"\s*[=\[{]", rest) else ""
+        text = rest
 
 
 @dataclass(frozen=True)
@@ -175,6 +279,10 @@ class _Linter:
         self.check_signatures(functions)
         self.check_declarations()
         self.check_threadgroup_arrays()
+        self.check_kernels(functions)
+        self.check_threadgroup_variables(functions)
+        self.check_program_scope()
+        self.check_unsupported_cxx()
         return sorted(set(self.findings), key=lambda f: (f.line, f.rule, f.message))
 
     # -- rules ------------------------------------------------------------------------------
@@ -339,6 +447,151 @@ class _Linter:
                 unknown = [w for w in words if w not in constants and w not in allowed_words]
                 if unknown:
                     self.report(m.start(), "threadgroup-array", f"threadgroup array `{m.group(1)}` has a size that is not a compile-time constant (`{extent.strip()}`)")
+
+
+    # -- kernel signatures --------------------------------------------------------------------
+
+    def check_kernels(self, functions: list[_Function]) -> None:
+        code = self.code
+        for f in functions:
+            head = _blank_preprocessor(f.return_type)
+            if not _KERNEL_MARK.search(head):
+                continue
+            ret = _KERNEL_MARK.sub(" ", re.sub(r"template\s*<.*>", " ", head, flags=re.S))
+            ret = re.sub(r"\[\[.*?\]\]|\b(?:inline|static|METAL_FUNC)\b", " ", ret, flags=re.S).split()
+            if ret != ["void"]:
+                self.report(f.name_pos, "kernel-return", f"kernel `{f.name}` must return void (returns `{' '.join(ret)}`)")
+            params = code[f.params_start + 1 : f.params_end - 1]
+            offset = f.params_start + 1
+            buffers: list[tuple[int, int]] = []
+            for param in split_top_level(params):
+                pos = offset + (len(param) - len(param.lstrip()))
+                offset += len(param) + 1
+                if not param.strip():
+                    continue
+                attrs = re.findall(r"\[\[(.*?)\]\]", param, flags=re.S)
+                declared = " ".join(re.sub(r"\[\[.*?\]\]", " ", param, flags=re.S).split())
+                names = [re.match(r"\s*(\w+)", a).group(1) for a in attrs if re.match(r"\s*(\w+)", a)]
+                if "threadgroup" in names:
+                    continue  # reported by the threadgroup-param rule
+                bound = [a for a in attrs if re.match(r"\s*buffer\s*\(", a)]
+                builtin = [n for n in names if n in _BUILTIN_INPUTS]
+                unknown = [n for n in names if n not in _BUILTIN_INPUTS and n != "buffer"]
+                if unknown:
+                    self.report(pos, "kernel-param", f"parameter `{declared}` of kernel `{f.name}` has an unknown attribute `[[{unknown[0]}]]`")
+                    continue
+                if not bound and not builtin:
+                    self.report(pos, "kernel-param", f"parameter `{declared}` of kernel `{f.name}` needs [[buffer(n)]] or a built-in input attribute")
+                    continue
+                if builtin:
+                    self._check_builtin_type(pos, f.name, declared, builtin[0])
+                    continue
+                m = re.match(r"\s*buffer\s*\(\s*(\d+)\s*\)\s*$", bound[0])
+                if m is None:
+                    self.report(pos, "buffer-index", f"buffer index of `{declared}` in kernel `{f.name}` must be an integer literal")
+                    continue
+                buffers.append((int(m.group(1)), pos))
+                self._check_buffer_type(pos, f.name, declared)
+            self._check_buffer_indices(f, buffers)
+
+    def _check_builtin_type(self, pos: int, kernel: str, declared: str, attr: str) -> None:
+        type_words = re.sub(r"\b(?:const|metal\s*::)\b|metal::", " ", declared).split()[:-1]
+        allowed = _POSITION_TYPES if attr in _POSITION_INPUTS else _INDEX_TYPES
+        if len(type_words) != 1 or type_words[0] not in allowed:
+            self.report(pos, "kernel-param", f"[[{attr}]] parameter `{declared}` of kernel `{kernel}` must be one of "
+                                             f"{', '.join(sorted(allowed))}")
+
+    def _check_buffer_type(self, pos: int, kernel: str, declared: str) -> None:
+        m = re.match(r"^(.*?)([*&])\s*(?:const\s+)?\w+$", declared)
+        if m is not None and not _ADDRESS_SPACE.search(m.group(1)):
+            return  # the address-space rule reports it
+        if m is None or not re.search(r"\b(?:device|constant)\b", m.group(1)):
+            self.report(pos, "kernel-param", f"buffer parameter `{declared}` of kernel `{kernel}` must be a device or "
+                                             "constant pointer or reference")
+            return
+        pointee = re.sub(r"\b(?:device|constant|const|volatile|metal\s*::)\b|metal::", " ", m.group(1)).split()
+        if m.group(2) == "&" and pointee and pointee[-1] in _UNBINDABLE_SCALARS:
+            self.report(pos, "kernel-param", f"scalar parameter `{declared}` of kernel `{kernel}`: `{pointee[-1]}` has no "
+                                             "fixed host-side size that bnb_mps.kernel_args binds; use one of "
+                                             f"{', '.join(_BINDABLE_SCALARS)}")
+
+    def _check_buffer_indices(self, f: _Function, buffers: list[tuple[int, int]]) -> None:
+        seen: dict[int, int] = {}
+        for index, pos in buffers:
+            if index > 30:
+                self.report(pos, "buffer-index", f"[[buffer({index})]] in kernel `{f.name}`: Metal has buffer indices 0..30")
+            elif index in seen:
+                self.report(pos, "buffer-index", f"[[buffer({index})]] is used twice in kernel `{f.name}`")
+            seen.setdefault(index, pos)
+        expected = set(range(len(seen)))
+        if buffers and set(seen) != expected and all(i <= 30 for i in seen):
+            missing = sorted(expected - set(seen))
+            self.report(f.name_pos, "buffer-index", f"buffer indices of kernel `{f.name}` must be 0..{len(seen) - 1} "
+                                                    f"(executors bind launch argument i to [[buffer(i)]]); missing {missing}")
+
+    # -- threadgroup variables ------------------------------------------------------------------
+
+    def check_threadgroup_variables(self, functions: list[_Function]) -> None:
+        code = self.code
+        for m in re.finditer(r"\bthreadgroup\b", code):
+            start = m.start()
+            prev = code[:start].rstrip()
+            if prev and prev[-1] not in ";{}" and not prev.endswith(":"):
+                continue  # a qualifier inside a declaration, parameter or cast
+            if prev.endswith("::"):
+                continue
+            end = code.find(";", m.end())
+            if end < 0:
+                continue
+            body = code[m.end() : end]
+            outside = re.sub(r"\[[^\]]*\]", "[]", body)
+            if re.search(r"[()*&]", outside.split("=")[0]) or not body.strip():
+                continue  # pointer, reference or function: not a threadgroup variable
+            name = re.search(r"(\w+)\s*(?:\[[^\]]*\]\s*)*(?:=|\{|$)", outside.split("=")[0].split("{")[0].strip())
+            label = f"`{name.group(1)}`" if name else "variable"
+            enclosing = [f for f in functions if f.body_start < start < f.body_end]
+            if not enclosing or not _KERNEL_MARK.search(_blank_preprocessor(enclosing[-1].return_type)):
+                where = "at program scope" if not enclosing else f"in `{enclosing[-1].name}`, which is not a kernel"
+                self.report(start, "threadgroup-scope", f"threadgroup variable {label} declared {where}: declare threadgroup "
+                                                        "variables in the kernel's body and pass helpers a threadgroup pointer")
+            if "=" in outside or re.search(r"\w\s*(?:\[[^\]]*\]\s*)*\{", outside):
+                self.report(start, "threadgroup-init", f"threadgroup variable {label} has an initializer: Metal does not "
+                                                       "initialize threadgroup memory (assign it after the declaration, then barrier)")
+
+    # -- program scope ------------------------------------------------------------------------------
+
+    def check_program_scope(self) -> None:
+        """Variables declared outside functions and types must be in the constant address space."""
+        code = _blank_preprocessor(self.code)
+        for start, end in _top_level_statements(code):
+            stmt = code[start:end]
+            lead = len(stmt) - len(stmt.lstrip())
+            text = _skip_macro_calls(stmt.strip())
+            if not text or text.startswith("[["):
+                text = re.sub(r"^(?:\[\[.*?\]\]\s*)+", "", text, flags=re.S)
+            words = re.match(r"[A-Za-z_]\w*", text)
+            if words is None or words.group(0) in _NOT_VARIABLE_STARTS or words.group(0) == "threadgroup":
+                continue  # (threadgroup variables: the threadgroup-scope rule)
+            decl = _before_initializer(text)
+            if "(" in decl and not re.search(r"\[[^\]]*\(", decl):
+                continue  # a function declaration
+            name = re.search(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*(?:\{.*)?$", decl.strip(), flags=re.S)
+            if name is None or name.group(1) in _NOT_VARIABLE_STARTS:
+                continue
+            if not re.search(r"\bconstant\b", decl):
+                pos = start + lead + (stmt.strip().find(text[:20]) if text[:20] in stmt else 0)
+                self.report(pos, "program-scope", f"program-scope variable `{name.group(1)}` must be declared in the "
+                                                  "constant address space (e.g. `constant float table[4] = {...};`)")
+
+    # -- C++ that Metal does not have ---------------------------------------------------------------
+
+    def check_unsupported_cxx(self) -> None:
+        code = self.code
+        for m in re.finditer(r"\b(goto|new|delete|virtual|dynamic_cast|typeid|try|catch|throw|thread_local|register)\b", code):
+            word = m.group(1)
+            if word == "delete" and re.search(r"=\s*$", code[max(0, m.start() - 20) : m.start()]):
+                continue  # a deleted function (`= delete`), not the operator
+            self.report(m.start(), "unsupported-cxx", f"`{word}` is not supported by Metal")
 
 
 def _compile_time_names_in(code: str) -> set[str]:

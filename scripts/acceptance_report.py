@@ -1,0 +1,517 @@
+"""The report of `scripts/mac_acceptance.sh`: one Markdown file to paste into an issue and the same
+facts as JSON.
+
+    python scripts/acceptance_report.py --out DIR --work DIR [--dry-run] [--repo DIR]
+
+Reads what the shell script left in the work directory (`steps.tsv`: one line per step with its
+exit status, seconds and log; `junit.xml` from pytest; `bench_*.json` from the benchmarks) and
+asks this Python (the acceptance venv's) about the machine: model, chip, memory, macOS, torch,
+bitsandbytes, the Metal language version the native library asks for, which executor tier
+loaded and which tier serves each op. Writes `acceptance-report.md` and `acceptance-report.json`
+into --out. Nothing here needs a Mac: off macOS the machine section says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+REPORT_MD = "acceptance-report.md"
+REPORT_JSON = "acceptance-report.json"
+GPU_TIERS = ("native", "shader")
+
+
+# -- facts about this machine -----------------------------------------------------------------------
+
+
+def _run(cmd: list[str], timeout: float = 30) -> Optional[str]:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _version(module: str) -> Optional[str]:
+    try:
+        mod = __import__(module)
+    except Exception:
+        return None
+    return str(getattr(mod, "__version__", "installed"))
+
+
+def machine_info() -> dict[str, Any]:
+    """Model, chip, memory, OS and the Python stack of this machine (None where unknown)."""
+    info: dict[str, Any] = {
+        "os": platform.system(),
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "bnb_mps": _version("bnb_mps"),
+        "model": None,
+        "chip": None,
+        "gpu_cores": None,
+        "peak_bandwidth_gbps": None,
+        "memory_bytes": None,
+        "macos": None,
+        "macos_build": None,
+        "mps_available": False,
+        "mps_bfloat16": None,
+    }
+    if info["os"] == "Darwin":
+        info["model"] = _run(["sysctl", "-n", "hw.model"])
+        info["chip"] = _run(["sysctl", "-n", "machdep.cpu.brand_string"])
+        mem = _run(["sysctl", "-n", "hw.memsize"])
+        info["memory_bytes"] = int(mem) if mem and mem.isdigit() else None
+        info["macos"] = platform.mac_ver()[0] or _run(["sw_vers", "-productVersion"])
+        info["macos_build"] = _run(["sw_vers", "-buildVersion"])
+        try:
+            from bnb_mps import chips
+
+            chip = chips.detect()
+            if chip is not None:
+                info["gpu_cores"], info["peak_bandwidth_gbps"] = chip.gpu_cores, chip.bandwidth_gbps
+        except Exception:
+            pass
+    else:
+        info["chip"] = _cpu_name()
+        info["memory_bytes"] = _linux_memory()
+    try:
+        import torch
+
+        mps = getattr(torch.backends, "mps", None)
+        info["mps_available"] = bool(mps and mps.is_available())
+        if info["mps_available"]:
+            try:
+                torch.ones(1, dtype=torch.bfloat16, device="mps").sum().item()
+                info["mps_bfloat16"] = True
+            except Exception:
+                info["mps_bfloat16"] = False
+    except Exception:
+        pass
+    return info
+
+
+def _cpu_name() -> Optional[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _linux_memory() -> Optional[int]:
+    try:
+        m = re.search(r"MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text())
+    except OSError:
+        return None
+    return int(m.group(1)) * 1024 if m else None
+
+
+def metal_info(macos: Optional[str], repo: Path = REPO) -> dict[str, Any]:
+    """What bnb-mps asks of Metal here. The language version is what the native library requests
+    (read from csrc/mps_ops.mm and csrc/mps.cmake rules, not measured); the OS's Metal support is
+    what system_profiler says, when it is there."""
+    info: dict[str, Any] = {"native_library": None, "native_kernels_from": None, "language_version": None,
+                            "language_version_source": None, "os_metal_support": None, "shader_tier": None}
+    native = None
+    try:
+        import importlib
+
+        native = importlib.import_module("bnb_mps._native")
+        info["native_library"] = "built and importable"
+    except ImportError as e:
+        info["native_library"] = f"not built or not loadable ({e})"
+    except Exception as e:
+        info["native_library"] = f"failed to load ({type(e).__name__}: {e})"
+    if native is not None:
+        try:
+            from bnb_mps.executors import native as native_tier
+
+            kind, _ = native_tier.choose_library(native.embedded_source(), native_tier.current_kernel_source(),
+                                                 Path(native.__file__).with_name(native_tier.METALLIB_NAME))
+            info["native_kernels_from"] = {"metallib": "the metallib built at install time (xcrun metal)",
+                                           "source": "the kernel source, compiled at first use"}[kind]
+            if kind == "metallib":
+                info["language_version"] = "Metal 3.1 (-std=metal3.1)"
+                info["language_version_source"] = "csrc/mps.cmake builds the metallib with -std=metal3.1"
+        except Exception as e:
+            info["native_kernels_from"] = f"unknown ({type(e).__name__}: {e})"
+    if info["language_version"] is None:
+        major = _major(macos)
+        if major is None:
+            info["language_version"] = "n/a (not macOS)"
+        elif major >= 14:
+            info["language_version"] = "MSL 3.1 (MTLLanguageVersion3_1)"
+        else:
+            info["language_version"] = "the OS compiler's default (macOS < 14: no version requested)"
+        info["language_version_source"] = ("csrc/mps_ops.mm requests MTLLanguageVersion3_1 when compiling the "
+                                           "kernel source on macOS 14 and later")
+    if platform.system() == "Darwin":
+        out = _run(["system_profiler", "SPDisplaysDataType"], timeout=60) or ""
+        m = re.search(r"Metal(?: Support| Family)?:\s*(.+)", out)
+        info["os_metal_support"] = m.group(1).strip() if m else None
+    try:
+        from bnb_mps.executors import load_tier
+
+        load_tier("shader")
+        info["shader_tier"] = "loads"
+    except Exception as e:
+        info["shader_tier"] = f"unavailable: {e}"
+    return info
+
+
+def _major(version: Optional[str]) -> Optional[int]:
+    m = re.match(r"(\d+)", version or "")
+    return int(m.group(1)) if m else None
+
+
+def tier_info() -> dict[str, Any]:
+    """The executor tier that loaded, why, the tiers that did not, and the tier of every op."""
+    try:
+        import bitsandbytes  # noqa: F401  (registers bnb_mps)
+
+        import bnb_mps
+        from bnb_mps import executors
+
+        sel = executors.selection()
+        return {"tier": sel.tier, "reason": sel.reason, "unavailable": executors.load_errors(),
+                "ops": bnb_mps.backend_info()}
+    except Exception as e:
+        return {"tier": None, "reason": f"{type(e).__name__}: {e}", "unavailable": {}, "ops": {}}
+
+
+def git_info(repo: Path) -> dict[str, Any]:
+    commit = _run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"])
+    status = _run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])
+    return {"commit": commit, "modified": bool(status)}
+
+
+# -- what the steps left behind ---------------------------------------------------------------------
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    """steps.tsv: `name<TAB>exit status<TAB>seconds<TAB>log file<TAB>note` per line."""
+    steps = []
+    if not path.is_file():
+        return steps
+    for line in path.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) < 3:
+            continue
+        rc = int(parts[1]) if parts[1].lstrip("-").isdigit() else None
+        steps.append({"name": parts[0], "status": rc, "seconds": float(parts[2] or 0),
+                      "log": parts[3] if len(parts) > 3 and parts[3] else None,
+                      "note": parts[4] if len(parts) > 4 and parts[4] else None})
+    return steps
+
+
+def parse_junit(path: Path) -> list[dict[str, Any]]:
+    """Every test case of a pytest junit XML: file, name, outcome (passed/failed/error/skipped),
+    seconds and the first line of the failure or skip message."""
+    if not path.is_file():
+        return []
+    root = ET.parse(path).getroot()
+    tests = []
+    for case in root.iter("testcase"):
+        classname = case.get("classname", "")
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (el.get("message") or el.text or "").strip().splitlines()[0:1]
+                message = message[0][:300] if message else ""
+                break
+        tests.append({"file": classname.replace(".", "/") + ".py" if classname else "", "name": case.get("name", ""),
+                      "outcome": outcome, "seconds": float(case.get("time") or 0), "message": message})
+    return tests
+
+
+def _param(name: str) -> str:
+    m = re.search(r"\[(.*)\]$", name)
+    return m.group(1) if m else ""
+
+
+def group_tests(tests: list[dict[str, Any]], families: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """Per kernel family and GPU tier (tests/test_mps.py::test_family_on_gpu), per op for the CPU
+    round trip (test_cpu_round_trip_on_mps), and per test file for everything else."""
+    gpu: "OrderedDict[str, dict[str, dict[str, Any]]]" = OrderedDict((f, {}) for f in families)
+    fallback: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
+    files: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
+
+    def add(bucket: dict[str, Any], test: dict[str, Any]) -> None:
+        bucket.setdefault("passed", 0), bucket.setdefault("failed", 0), bucket.setdefault("skipped", 0)
+        bucket.setdefault("failures", [])
+        key = "failed" if test["outcome"] in ("failed", "error") else test["outcome"]
+        bucket[key] += 1
+        if key == "failed":
+            bucket["failures"].append(f"{test['name']}: {test['message']}")
+        elif key == "skipped" and "skip_reason" not in bucket:
+            bucket["skip_reason"] = test["message"]
+
+    for t in tests:
+        base = t["name"].split("[")[0]
+        if base == "test_family_on_gpu":
+            tokens = _param(t["name"]).split("-")
+            tier = next((x for x in tokens if x in GPU_TIERS), "?")
+            family = next((x for x in tokens if x in families), tokens[0] if tokens else "?")
+            add(gpu.setdefault(family, {}).setdefault(tier, {}), t)
+        elif base == "test_cpu_round_trip_on_mps":
+            op = _param(t["name"]).split("-")[0]
+            add(fallback.setdefault(op, {}), t)
+        else:
+            add(files.setdefault(t["file"] or "?", {}), t)
+    totals = {k: sum(1 for t in tests if (t["outcome"] if t["outcome"] != "error" else "failed") == k)
+              for k in ("passed", "failed", "skipped")}
+    return {"gpu_families": gpu, "cpu_round_trip": fallback, "files": files, "totals": totals}
+
+
+def load_families(repo: Path) -> dict[str, tuple[str, ...]]:
+    """Family name -> ops, from tests/mps_families.py (empty if it cannot be imported)."""
+    tests = repo / "tests"
+    if not (tests / "mps_families.py").is_file():
+        return {}
+    sys.path.insert(0, str(tests))
+    try:
+        import mps_families
+
+        return {f.name: tuple(f.ops) for f in mps_families.FAMILIES}
+    except Exception:
+        return {}
+    finally:
+        sys.path.remove(str(tests))
+
+
+def read_benchmark(path: Path) -> Optional[dict[str, Any]]:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return {"error": f"unreadable ({e})"}
+
+
+# -- Markdown -----------------------------------------------------------------------------------------
+
+
+def _cell(x: Any) -> str:
+    if x is None:
+        return "?"
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+    if isinstance(x, (list, tuple)):
+        return ", ".join(map(str, x))
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def benchmark_markdown(bench: Optional[dict[str, Any]]) -> str:
+    """A table of one benchmark JSON: the GPU columns on a Mac, the emulated ones elsewhere, any
+    other format column by column."""
+    if bench is None:
+        return "(not run)"
+    if "error" in bench:
+        return f"(results {bench['error']})"
+    cases = bench.get("cases") or bench.get("results") or []
+    if not cases:
+        return "(no results)"
+    if bench.get("mode") == "gpu":
+        rows = []
+        for c in cases:
+            speed = f"{c['stock_ms'] / c['ms']:.2f}x" if c.get("stock_ms") and c.get("ms") else ""
+            rows.append([c.get("name"), c.get("ms"), c.get("gbps"),
+                         f"{c['pct_of_peak']:.0f}%" if c.get("pct_of_peak") is not None else "?",
+                         c.get("stock_ms", c.get("stock_error", "n/a")), speed])
+        return markdown_table(["op", "ours ms", "GB/s", "% of peak", "stock bitsandbytes ms", "speed-up"], rows)
+    if bench.get("mode") == "emulated":
+        rows = [[c.get("name"), c.get("launches"), c.get("extra_alloc_bytes"), c.get("host_reads"), c.get("kernels")]
+                for c in cases]
+        return ("No GPU time measured (no mps device): kernels ran on the emulated tier.\n\n"
+                + markdown_table(["op", "launches", "bytes allocated beyond outputs", "host reads", "kernels"], rows))
+    keys: list[str] = []
+    for c in cases:
+        keys += [k for k in c if k not in keys]
+    return markdown_table(keys, [[c.get(k) for k in keys] for c in cases])
+
+
+def _counts(b: dict[str, Any]) -> str:
+    if not b:
+        return "not run"
+    total = b["passed"] + b["failed"] + b["skipped"]
+    if b["failed"]:
+        return f"FAILED ({b['failed']} of {total})"
+    if b["passed"] == 0 and b["skipped"]:
+        return f"skipped ({b['skipped']})"
+    return f"passed ({b['passed']}/{total})" + (f", {b['skipped']} skipped" if b["skipped"] else "")
+
+
+def verdict(report: dict[str, Any]) -> str:
+    failed_steps = [s["name"] for s in report["steps"] if s["status"] not in (0, None)]
+    failed_tests = report["tests"]["totals"]["failed"] if report["tests"] else 0
+    if failed_steps or failed_tests:
+        what = ", ".join(failed_steps) or "tests"
+        return f"FAIL ({failed_tests} failed tests; failed steps: {what})"
+    if report["dry_run"]:
+        return "DRY RUN passed (everything except the mps parts; no GPU was used)"
+    gpu = report["tests"]["gpu_families"] if report["tests"] else {}
+    ran = [b for tiers in gpu.values() for b in tiers.values() if b.get("passed")]
+    if not ran:
+        return "INCOMPLETE (no kernel family ran on a GPU tier)"
+    return "PASS"
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    m, metal, tiers = r["machine"], r["metal"], r["tiers"]
+    out = ["# bnb-mps acceptance report", ""]
+    out.append(f"**Result: {r['verdict']}**")
+    out.append("")
+    git = r.get("git") or {}
+    out.append(f"Generated {r['generated']} by `bash scripts/mac_acceptance.sh{' --dry-run' if r['dry_run'] else ''}` "
+               f"(bnb-mps {m.get('bnb_mps') or '?'}, commit {git.get('commit') or '?'}"
+               f"{', with local modifications' if git.get('modified') else ''}).")
+    out += ["", "## Machine", ""]
+    mem = f"{m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else None
+    chip = m.get("chip")
+    if m.get("gpu_cores"):
+        chip = f"{chip}, {m['gpu_cores']} GPU cores"
+    if m.get("peak_bandwidth_gbps"):
+        chip = f"{chip}, {m['peak_bandwidth_gbps']:g} GB/s published peak bandwidth"
+    rows = [["model", m.get("model") or "n/a (not a Mac)"], ["chip", chip], ["memory", mem],
+            ["OS", f"macOS {m['macos']} ({m.get('macos_build') or '?'})" if m.get("macos") else f"{m['os']} {m['arch']}"],
+            ["Python", m.get("python")], ["torch", m.get("torch")], ["bitsandbytes", m.get("bitsandbytes")],
+            ["mps device", "available" + ("" if m.get("mps_bfloat16") in (None, True) else ", no bfloat16")
+             if m.get("mps_available") else "not available"]]
+    out.append(markdown_table(["", ""], rows))
+    out += ["", "## Metal and executor tiers", ""]
+    unavailable = "; ".join(f"{k}: {v}" for k, v in (tiers.get("unavailable") or {}).items())
+    rows = [["tier that loaded", f"{tiers.get('tier')} ({tiers.get('reason')})"],
+            ["tiers that did not load", unavailable or "none"],
+            ["native library", metal.get("native_library")],
+            ["native kernels from", metal.get("native_kernels_from") or "n/a"],
+            ["Metal language version requested", f"{metal.get('language_version')}; {metal.get('language_version_source')}"],
+            ["OS Metal support (system_profiler)", metal.get("os_metal_support") or "n/a"],
+            ["shader tier (torch.mps.compile_shader)", metal.get("shader_tier")]]
+    out.append(markdown_table(["", ""], rows))
+    out += ["", "## Steps", ""]
+    rows = [[s["name"], "ok" if s["status"] == 0 else ("not run" if s["status"] is None else f"exit status {s['status']}"),
+             f"{s['seconds']:.0f} s", s.get("note") or ""] for s in r["steps"]]
+    out.append(markdown_table(["step", "result", "time", "note"], rows))
+    t = r["tests"]
+    if t:
+        totals = t["totals"]
+        out += ["", f"## Tests: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped", ""]
+        out += ["### Kernel families on the GPU tiers (tests/test_mps.py)", ""]
+        rows = []
+        for fam, by_tier in t["gpu_families"].items():
+            rows.append([fam, r["families"].get(fam, ()), *[_counts(by_tier.get(tier, {})) for tier in GPU_TIERS]])
+        out.append(markdown_table(["family", "ops", *GPU_TIERS], rows) if rows else "(none ran)")
+        out += ["", "### CPU round trip on mps tensors, with in-place write-back (BNB_MPS_EXECUTOR=cpu)", ""]
+        op_tiers = tiers.get("ops") or {}
+        rows = [[op, (op_tiers.get(op) or {}).get("tier", "?"), _counts(b)] for op, b in t["cpu_round_trip"].items()]
+        out.append(markdown_table(["op", "tier by default", "round trip"], rows) if rows else "(none ran)")
+        out += ["", "### Other tests, per file", ""]
+        rows = [[f, b["passed"], b["failed"], b["skipped"]] for f, b in t["files"].items()]
+        out.append(markdown_table(["file", "passed", "failed", "skipped"], rows) if rows else "(none)")
+        failures = [(name, msg) for group in _all_buckets(t) for name, msg in [(group[0], f) for f in group[1]]]
+        if failures:
+            out += ["", "### Failures", ""]
+            out += [f"- {where}: `{msg}`" for where, msg in failures[:40]]
+            if len(failures) > 40:
+                out.append(f"- ... and {len(failures) - 40} more (see the pytest log)")
+    out += ["", "## Benchmarks", ""]
+    for name, bench in r["benchmarks"].items():
+        out += [f"### {name}", "", bench["note"] if bench.get("note") else benchmark_markdown(bench.get("data")), ""]
+    if tiers.get("ops"):
+        out += ["## Which tier serves each op (python -m bnb_mps)", ""]
+        out.append(markdown_table(["op", "tier", "reason"], [[k, v.get("tier"), v.get("reason")] for k, v in tiers["ops"].items()]))
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _all_buckets(t: dict[str, Any]):
+    for fam, by_tier in t["gpu_families"].items():
+        for tier, b in by_tier.items():
+            yield (f"{fam} on {tier}", b.get("failures", []))
+    for op, b in t["cpu_round_trip"].items():
+        yield (f"CPU round trip of {op}", b.get("failures", []))
+    for f, b in t["files"].items():
+        yield (f, b.get("failures", []))
+
+
+# -- putting it together ------------------------------------------------------------------------------
+
+
+BENCHMARKS = (("kernels (scripts/bench_kernels.py --short)", "bench_kernels.json", "scripts/bench_kernels.py"),
+              ("optimizers (scripts/bench_optimizers.py --short)", "bench_optimizers.json", "scripts/bench_optimizers.py"))
+
+
+def build_report(work: Path, dry_run: bool, repo: Path = REPO) -> dict[str, Any]:
+    machine = machine_info()
+    families = load_families(repo)
+    tests = parse_junit(work / "junit.xml")
+    benchmarks: dict[str, Any] = {}
+    for title, filename, script in BENCHMARKS:
+        data = read_benchmark(work / filename)
+        note = None
+        if not (repo / script).is_file():
+            note = f"not available: {script} is not in this checkout yet"
+        elif data is None:
+            note = "not run (see the steps above)"
+        benchmarks[title] = {"data": data, "note": note}
+    report = {
+        "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "dry_run": dry_run,
+        "git": git_info(repo),
+        "machine": machine,
+        "metal": metal_info(machine.get("macos"), repo),
+        "tiers": tier_info(),
+        "steps": read_steps(work / "steps.tsv"),
+        "families": families,
+        "tests": group_tests(tests, families) if tests else None,
+        "benchmarks": benchmarks,
+    }
+    report["verdict"] = verdict(report)
+    return report
+
+
+def write_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / REPORT_MD, out / REPORT_JSON
+    md.write_text(render_markdown(report))
+    js.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return md, js
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where acceptance-report.md/.json go")
+    parser.add_argument("--work", required=True, help="the shell script's work directory (steps.tsv, junit.xml, bench_*.json)")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--repo", default=str(REPO))
+    ns = parser.parse_args(argv)
+    report = build_report(Path(ns.work), ns.dry_run, Path(ns.repo))
+    md, js = write_report(report, Path(ns.out))
+    print(f"{report['verdict']}\nreport: {md}\n        {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The one command a Mac owner runs to prove bnb-mps on their machine:
+#
+#     bash scripts/mac_acceptance.sh [--out DIR] [--python PYTHON] [--venv DIR] [--dry-run]
+#
+# In a fresh virtual environment it installs torch for macOS arm64, bitsandbytes and bnb-mps
+# (built natively with --no-build-isolation, so the Objective-C++ executor compiles against that
+# torch), then runs `python -m bnb_mps`, the whole test suite including the `mps` tests on both GPU
+# tiers (native and shader), and the kernel benchmarks in their short mode. It writes
+# acceptance-report.md (paste it into an issue) and acceptance-report.json into the current
+# directory or --out DIR; logs, junit.xml and benchmark JSON go to DIR/acceptance-work/.
+#
+# Needs macOS on Apple Silicon with a working mps device, and network access for pip; it stops
+# early, saying why, elsewhere. --dry-run exercises everything except the mps parts on any OS
+# (CI runs it on Linux): the venv reuses the invoking Python's packages instead of downloading
+# torch, bnb-mps is still installed into it with --no-build-isolation, and only a small part of
+# the test suite runs. Exit status: 0 when every step passed, 1 when one failed, 2 when the run
+# could not start.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$PWD
+PY=${PYTHON:-python3}
+VENV=""
+DRY=0
+
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=${2:?--out needs a directory}; shift 2 ;;
+    --out=*) OUT=${1#--out=}; shift ;;
+    --python) PY=${2:?--python needs an interpreter}; shift 2 ;;
+    --venv) VENV=${2:?--venv needs a directory}; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "mac_acceptance: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf '\n== %s\n' "$*"; }
+die() { printf 'mac_acceptance: %s\n' "$*" >&2; exit 2; }
+
+if [ "$DRY" = 0 ]; then
+  if [ "$(uname -s)" != "Darwin" ] || [ "$(uname -m)" != "arm64" ]; then
+    die "this is the Apple Silicon acceptance run, and this machine is $(uname -s) $(uname -m): there is no mps device to test. Use --dry-run to exercise everything except the mps parts."
+  fi
+fi
+command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter '$PY' (set --python or PYTHON)"
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 9) else 1)' || die "$PY is older than Python 3.9"
+
+mkdir -p "$OUT" || die "cannot create $OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK="$OUT/acceptance-work"
+rm -rf "$WORK" && mkdir -p "$WORK"
+VENV=${VENV:-$WORK/venv}
+STEPS="$WORK/steps.tsv"
+: > "$STEPS"
+
+# step NAME LOG NOTE -- COMMAND...: runs COMMAND with its output in LOG (and on screen), records
+# exit status and seconds in steps.tsv. Returns the command's exit status. (bash 3.2, as macOS has.)
+step() {
+  local name=$1 log=$2 note=$3
+  shift 4
+  local start=$SECONDS rc
+  say "$name"
+  "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$log" "$note" >> "$STEPS"
+  return $rc
+}
+skip_step() { printf '%s\t\t0\t\t%s\n' "$1" "$2" >> "$STEPS"; }
+
+setup_venv() {
+  rm -rf "$VENV"
+  if [ "$DRY" = 1 ]; then
+    # Reuse the invoking Python's packages (torch, bitsandbytes, pytest, the build tools) through a
+    # .pth file instead of downloading them; bnb-mps itself is installed into the new venv.
+    "$PY" -m venv --without-pip "$VENV" || return 1
+    local parent site
+    # Every site directory of the invoking Python (its venv, the system's, the user's).
+    parent=$("$PY" -c 'import os, sys; print("\n".join(dict.fromkeys(p for p in sys.path if os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages"))))')
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    printf '%s\n' "$parent" > "$site/_bnb_mps_acceptance_parent.pth"
+    "$VENV/bin/python" -m pip --version >/dev/null 2>&1 || { echo "pip is not importable from $PY"; return 1; }
+    # --ignore-installed: never touch the invoking environment's own bnb-mps.
+    "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --ignore-installed -e "$REPO" || return 1
+  else
+    "$PY" -m venv "$VENV" || return 1
+    "$VENV/bin/python" -m pip install --upgrade pip || return 1
+    # torch first (the macOS arm64 wheel has MPS), then the build tools, then bnb-mps against it.
+    "$VENV/bin/python" -m pip install torch bitsandbytes "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja || return 1
+    "$VENV/bin/python" -m pip install --no-build-isolation -e "$REPO[test,e2e]" || return 1
+  fi
+  "$VENV/bin/python" -c 'import torch, bitsandbytes, bnb_mps; print("torch", torch.__version__, "| bitsandbytes", bitsandbytes.__version__, "| bnb_mps from", bnb_mps.__file__)'
+}
+
+VPY="$VENV/bin/python"
+FAILED=0
+
+if [ "$DRY" = 1 ]; then
+  say "dry run: everything except the mps parts (no GPU is used; the venv reuses $PY's packages)"
+fi
+step "create the venv and install bnb-mps" "$WORK/setup.log" "$VENV" -- setup_venv \
+  || die "setting up the venv failed; see $WORK/setup.log"
+
+if [ "$DRY" = 0 ]; then
+  if ! "$VPY" -c 'import sys, torch; sys.exit(0 if torch.backends.mps.is_available() else 1)'; then
+    reason=$("$VPY" -c 'import torch; print("torch", torch.__version__, "built with mps:", torch.backends.mps.is_built())' 2>&1)
+    die "this Mac has no working mps device ($reason; macOS 12.3+ on Apple Silicon is needed). Nothing was tested."
+  fi
+fi
+
+step "python -m bnb_mps" "$WORK/diagnostics.txt" "" -- "$VPY" -m bnb_mps || FAILED=1
+
+if [ "$DRY" = 1 ]; then
+  # A small part of the suite: the mps suite's machinery and its mps tests (skipped here, which
+  # still exercises the report's grouping).
+  TESTS=("$REPO/tests/test_mps_families.py" "$REPO/tests/test_mps.py"
+         -k "specials or same_bits or assert_close or device_views or every_kernel or uses_dtype or test_mps.py")
+  NOTE="subset (dry run)"
+else
+  TESTS=("$REPO/tests")
+  NOTE="whole suite, mps tests on the native and shader tiers"
+fi
+# BNB_MPS_ACCEPTANCE: the suite's own dry run of this script is skipped inside this run.
+step "test suite" "$WORK/pytest.log" "$NOTE" -- \
+  env BNB_MPS_ACCEPTANCE=1 "$VPY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -o junit_family=xunit2 \
+    --junitxml "$WORK/junit.xml" "${TESTS[@]}" || FAILED=1
+
+step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
+  "$VPY" "$REPO/scripts/bench_kernels.py" --short --json "$WORK/bench_kernels.json" \
+    --chart "$OUT/bench_kernels.png" || FAILED=1
+
+if [ -f "$REPO/scripts/bench_optimizers.py" ]; then
+  step "optimizer benchmarks (short)" "$WORK/bench_optimizers.log" "" -- \
+    "$VPY" "$REPO/scripts/bench_optimizers.py" --short --json "$WORK/bench_optimizers.json" || FAILED=1
+else
+  skip_step "optimizer benchmarks (short)" "scripts/bench_optimizers.py is not in this checkout yet"
+fi
+
+say "report"
+DRY_FLAG=()
+[ "$DRY" = 1 ] && DRY_FLAG=(--dry-run)
+"$VPY" "$REPO/scripts/acceptance_report.py" --out "$OUT" --work "$WORK" --repo "$REPO" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} \
+  || die "writing the report failed"
+exit $FAILED

@@ -1,0 +1,517 @@
+"""The table the `mps` suite (tests/test_mps.py) runs on Apple hardware: every kernel family, on
+both GPU tiers, through `torch.ops.bitsandbytes.*` on mps tensors, against the references the
+emulator tests use.
+
+A family is one `Family` entry in `FAMILIES`:
+
+    Family(
+        name="blockwise_8bit",                        # test ids and the acceptance report group by it
+        ops=("quantize_blockwise", ...),               # every schema its cases call (checked below)
+        cases=blockwise_8bit_cases,                    # n -> iterable of Case, for n in `sizes`
+        sizes=(1, 3, 1_000, ..., 16_777_213),          # element counts on a Mac (1 .. 16 M)
+        cpu_sizes=(1, 3, 1_000),                       # small ones, run here under the emulator
+    )
+
+and a `Case` is one call with its reference:
+
+    Case(label, op, args, want, want_args={}, compare=assert_same_bits, run=None)
+
+- `args`: the schema's arguments in order, on the CPU: tensors (moved to the device as they
+  are), plain values, or `DeviceView(base, make)` for a view that must exist on the device
+  (`make(base_on_device)`: a transposed or mid-storage view);
+- `want`: the reference result (computed on the CPU from the family's reference module, e.g.
+  tests/spec_reference.py) or None for ops that return nothing;
+- `want_args`: argument index -> reference content after the call (in-place outputs, `out=`);
+- `compare(got, want, what)`: raises AssertionError; `assert_same_bits` (bit-exact, NaN equal to
+  NaN whatever its sign and payload) or `assert_close(rtol, atol)`;
+- `run(device_args)`: a custom call (e.g. bitsandbytes.functional's API); default: the op through
+  the dispatcher, `torch.ops.bitsandbytes.<op>(*device_args)`.
+
+Inputs come from `special_input`, which places NaN, +-inf, -0.0, subnormals, an all-zero block, a
+block of tiny and one of huge magnitudes and a block of exact ties inside blocks (never at a
+block's first element, never in the first block only), so that almost every block exercises the
+code search. `tests/test_mps_families.py` checks this machinery on the CPU and runs every
+family's cases at `cpu_sizes` through the emulator; `test_every_kernel_is_in_a_family` fails when
+an op gains a Metal kernel without a table entry.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+import spec_reference as ref
+
+# -- cases and views ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """An argument that is a view of a larger tensor on the device: `make(base.to(device))`."""
+
+    base: torch.Tensor
+    make: Callable[[torch.Tensor], torch.Tensor]
+
+    def on(self, device: str) -> torch.Tensor:
+        return self.make(self.base.to(device) if device != "cpu" else self.base.clone())
+
+    def reference(self) -> torch.Tensor:
+        """The same view on the CPU, contiguous (what the reference sees)."""
+        return self.make(self.base).contiguous()
+
+
+def assert_same_bits(got: Any, want: Any, what: str = "result") -> None:
+    """Bit-exact equality of tensors (and tuples/lists of them), NaN equal to any NaN."""
+    if isinstance(want, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(want), f"{what}: {type(got)} vs {type(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_bits(g, w, f"{what}[{i}]")
+        return
+    if not isinstance(want, torch.Tensor):
+        assert got == want, f"{what}: {got!r} != {want!r}"
+        return
+    assert isinstance(got, torch.Tensor), f"{what}: not a tensor ({type(got)})"
+    got = got.detach().cpu()
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    g, w = got.contiguous().reshape(-1), want.contiguous().reshape(-1)
+    if g.is_floating_point():
+        nan_g, nan_w = torch.isnan(g), torch.isnan(w)
+        if not torch.equal(nan_g, nan_w):
+            idx = (nan_g != nan_w).nonzero().flatten()[:8].tolist()
+            raise AssertionError(f"{what}: NaN positions differ, e.g. at {idx}")
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
+        g, w = g.masked_fill(nan_g, 0).view(bits), w.masked_fill(nan_w, 0).view(bits)
+    if not torch.equal(g, w):
+        idx = (g != w).nonzero().flatten()[:8].tolist()
+        n_bad = int((g != w).sum())
+        sample = [(i, got.reshape(-1)[i].item(), want.reshape(-1)[i].item()) for i in idx[:4]]
+        raise AssertionError(f"{what}: {n_bad} of {g.numel()} elements differ; (index, got, want): {sample}")
+
+
+def assert_close(rtol: float, atol: float) -> Callable[[Any, Any, str], None]:
+    """A comparison within `rtol`/`atol` (torch.testing semantics), NaN equal to NaN, same dtype and shape."""
+
+    def compare(got: Any, want: Any, what: str = "result") -> None:
+        if isinstance(want, (tuple, list)):
+            assert isinstance(got, (tuple, list)) and len(got) == len(want), what
+            for i, (g, w) in enumerate(zip(got, want)):
+                compare(g, w, f"{what}[{i}]")
+            return
+        if not isinstance(want, torch.Tensor) or not want.is_floating_point():
+            assert_same_bits(got, want, what)
+            return
+        torch.testing.assert_close(got.detach().cpu(), want, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+    return compare
+
+
+@dataclass
+class Case:
+    label: str
+    op: str
+    args: tuple
+    want: Any
+    want_args: dict[int, Any] = field(default_factory=dict)
+    compare: Callable[[Any, Any, str], None] = assert_same_bits
+    run: Optional[Callable[[list], Any]] = None
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    ops: tuple[str, ...]
+    cases: Callable[[int], Iterable[Case]]
+    sizes: tuple[int, ...]
+    cpu_sizes: tuple[int, ...]
+
+
+def to_device(x: Any, device: str) -> Any:
+    if isinstance(x, DeviceView):
+        return x.on(device)
+    if isinstance(x, torch.Tensor):
+        return x.to(device) if device != "cpu" else x.clone()
+    return x
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def uses_dtype(case: Case, dtype: torch.dtype) -> bool:
+    """Whether any input, dtype argument or reference of `case` is of `dtype`."""
+
+    def has(x: Any) -> bool:
+        if isinstance(x, DeviceView):
+            return x.base.dtype == dtype
+        if isinstance(x, torch.Tensor):
+            return x.dtype == dtype
+        if isinstance(x, (tuple, list)):
+            return any(has(v) for v in x)
+        if isinstance(x, dict):
+            return any(has(v) for v in x.values())
+        return x == dtype if isinstance(x, torch.dtype) else False
+
+    return has(case.args) or has(case.want) or has(case.want_args)
+
+
+def run_case(case: Case, device: str) -> None:
+    """Runs one case on `device` and compares its result and in-place outputs with the reference."""
+    from bnb_mps.ops import op_packet
+
+    args = [to_device(a, device) for a in case.args]
+    got = case.run(args) if case.run is not None else op_packet(case.op)(*args)
+    if device != "cpu" and hasattr(torch, device) and hasattr(getattr(torch, device), "synchronize"):
+        getattr(torch, device).synchronize()
+    case.compare(_to_cpu(got), case.want, f"{case.label}: result")
+    for i, want in case.want_args.items():
+        case.compare(_to_cpu(args[i]), want, f"{case.label}: argument {i} after the call")
+
+
+# -- inputs with special values inside blocks -------------------------------------------------------
+
+POINT_SPECIALS = ("nan", "+inf", "-inf", "-0.0", "subnormal")
+BLOCK_SPECIALS = ("zero_block", "tiny_block", "huge_block", "tie_block")
+
+
+def _subnormal(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).tiny) / 4
+
+
+def tie_values(kind: str) -> torch.Tensor:
+    """Values that land exactly on the quantizer's decision points when a block's absmax is 1."""
+    if kind == "8bit":
+        code = ref.thresholds(np.asarray(signed_code(), dtype=np.float32))
+    elif kind == "nf4":
+        code = ref.thresholds(ref.NF4_TABLE)
+    else:  # fp4: CUDA's tree constants, both signs
+        c = np.array([0.29166667, 0.583333, 0.8333333, 0.4166667, 0.0859375, 0.20833333, 0.00260417], np.float32)
+        code = np.concatenate([c, -c])
+    return torch.from_numpy(np.asarray(code, dtype=np.float32))
+
+
+def special_input(n: int, dtype: torch.dtype, blocksize: int, seed: int, ties: str = "8bit",
+                  scale: float = 2.0) -> tuple[torch.Tensor, dict[str, int]]:
+    """`n` values N(0, scale^2) in `dtype`, with special values placed inside blocks.
+
+    Returns the tensor and where each special went: point specials (`POINT_SPECIALS`) map to an
+    element index that is never the first element of its block; block specials (`BLOCK_SPECIALS`)
+    map to a block index (never the first block nor the partial last one), spread over the tensor.
+    With fewer blocks than needed, the block specials that do not fit are left out, and with fewer
+    interior positions than point specials, the last point specials. `ties` picks the decision points of the tie block ("8bit", "nf4", "fp4"): it holds
+    1.0 at an interior position and those values elsewhere, so that s == threshold exactly (for
+    float32 input; 16-bit inputs hold the nearest representable values).
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * scale
+    where: dict[str, int] = {}
+    if n == 0:
+        return x.to(dtype), where
+    info = torch.finfo(dtype)
+    full_blocks = n // blocksize
+    # Block specials: full blocks other than the first, spread evenly.
+    usable = list(range(1, full_blocks))
+    chosen = [usable[(i * len(usable)) // len(BLOCK_SPECIALS)] for i in range(len(BLOCK_SPECIALS))] \
+        if len(usable) >= len(BLOCK_SPECIALS) else []
+    for name, b in zip(BLOCK_SPECIALS, chosen):
+        lo, hi = b * blocksize, (b + 1) * blocksize
+        if name == "zero_block":
+            x[lo:hi] = 0
+        elif name == "tiny_block":
+            x[lo:hi] *= float(info.tiny) * 4
+        elif name == "huge_block":
+            x[lo:hi] = x[lo:hi].clamp(-3, 3) * (float(info.max) / 4)
+        else:
+            t = tie_values(ties)
+            vals = t[torch.randint(0, t.numel(), (blocksize,), generator=g)]
+            x[lo:hi] = vals
+            x[lo + blocksize // 3] = 1.0  # the block's absmax, at an interior position
+        where[name] = b
+    # Point specials: interior positions (not a block's first element) of the other blocks,
+    # spread evenly over all of them.
+    nblocks = math.ceil(n / blocksize)
+    blocks = np.array([b for b in range(nblocks) if b not in set(chosen)], dtype=np.int64)
+    interior = np.minimum(n, (blocks + 1) * blocksize) - blocks * blocksize - 1
+    cumulative = np.cumsum(interior)
+    total = int(cumulative[-1]) if len(cumulative) else 0
+    k = len(POINT_SPECIALS)
+    for i, name in enumerate(POINT_SPECIALS[: min(k, total)]):
+        target = (total * (2 * i + 1)) // (2 * k) if total >= k else i
+        j = int(np.searchsorted(cumulative, target, side="right"))
+        within = target - (int(cumulative[j - 1]) if j else 0)
+        pos = int(blocks[j]) * blocksize + 1 + within
+        x[pos] = {"nan": float("nan"), "+inf": float("inf"), "-inf": -float("inf"), "-0.0": -0.0,
+                  "subnormal": _subnormal(dtype)}[name]
+        where[name] = pos
+    return x.to(dtype), where
+
+
+def finite_input(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Weight-like values: N(0, 1) with an all-zero run of 64 elements in the middle, no inf/NaN."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    if n >= 256:
+        x[n // 2 - n // 2 % 64 : n // 2 - n // 2 % 64 + 64] = 0
+    return x.to(dtype)
+
+
+# -- the quantization families (docs/semantics.md sections 1-3, reference: tests/spec_reference.py) --
+
+
+def signed_code() -> torch.Tensor:
+    from bitsandbytes.functional import create_dynamic_map
+
+    return create_dynamic_map(signed=True)
+
+
+def unsigned_code() -> torch.Tensor:
+    from bitsandbytes.functional import create_dynamic_map
+
+    return create_dynamic_map(signed=False)
+
+
+QUANT_SIZES = (1, 2, 3, 63, 1_000, 4_097, 65_539, 1_048_583, 16_777_213)
+QUANT_CPU_SIZES = (1, 3, 1_000, 4_097)
+#: sizes that also get the feature cases (views, .out, storage types, functional API, empty)
+FEATURE_SIZES = (1_000, 65_539)
+LARGE = 100_000
+HUGE = 4_000_000
+
+
+def _grid(n: int, *axes: tuple) -> list[tuple]:
+    """Every combination for small n; for large n a rotation that visits every value of every
+    axis; for huge n (16 M) two combinations (keeps the CPU reference affordable)."""
+    import itertools
+
+    full = list(itertools.product(*axes))
+    if n < LARGE:
+        return full
+    longest = max(len(a) for a in axes)
+    rotation = [tuple(a[(i + k) % len(a)] for k, a in enumerate(axes)) for i in range(longest)]
+    return rotation if n < HUGE else rotation[:: max(1, len(rotation) // 2)][:2]
+
+
+def _seed(*parts) -> int:
+    """A seed that is the same in every process (unlike hash())."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def blockwise_8bit_cases(n: int) -> Iterator[Case]:
+    code = signed_code()
+    for dtype, bs in _grid(n, ref.DTYPES, ref.BLOCKSIZES_8BIT):
+        A, _ = special_input(n, dtype, bs, seed=_seed("8bit", n, dtype, bs), ties="8bit")
+        q, absmax = ref.quantize_blockwise(A, code, bs)
+        tag = f"n={n} {dtype} blocksize={bs}"
+        yield Case(f"quantize_blockwise {tag}", "quantize_blockwise", (A, code, bs), (q, absmax))
+        for out_dtype in ref.DTYPES if n < LARGE else (dtype,):
+            yield Case(f"dequantize_blockwise {tag} -> {out_dtype}", "dequantize_blockwise",
+                       (q, absmax, code, bs, out_dtype), ref.dequantize_blockwise(q, absmax, code, bs, out_dtype))
+    if n in FEATURE_SIZES:
+        yield from _blockwise_8bit_features(n)
+
+
+def _blockwise_8bit_features(n: int) -> Iterator[Case]:
+    code, bs = signed_code(), 256
+    rows = 8
+    cols = math.ceil(n / rows)
+    # A transposed (non-contiguous) input: the result of its contiguous copy.
+    base, _ = special_input(rows * cols, torch.float16, bs, seed=_seed("8bit-t", n))
+    view = DeviceView(base.reshape(cols, rows), lambda b: b.t())
+    yield Case(f"quantize_blockwise transposed input {rows}x{cols}", "quantize_blockwise", (view, code, bs),
+               ref.quantize_blockwise(view.reference(), code, bs))
+    # A mid-storage input (storage offset not a multiple of 16 bytes).
+    big, _ = special_input(n + 13, torch.bfloat16, bs, seed=_seed("8bit-m", n))
+    mid = DeviceView(big, lambda b: b[5 : 5 + n])
+    yield Case(f"quantize_blockwise mid-storage input n={n}", "quantize_blockwise", (mid, code, bs),
+               ref.quantize_blockwise(mid.reference(), code, bs))
+    # The unsigned code, non-negative data.
+    pos, _ = special_input(n, torch.float32, 64, seed=_seed("8bit-u", n))
+    pos = pos.abs()
+    ucode = unsigned_code()
+    yield Case(f"quantize_blockwise unsigned code n={n}", "quantize_blockwise", (pos, ucode, 64),
+               ref.quantize_blockwise(pos, ucode, 64))
+    # Dequantize from mid-storage codes and absmax.
+    A, _ = special_input(n, torch.float32, bs, seed=_seed("8bit-d", n))
+    q, absmax = ref.quantize_blockwise(A, code, bs)
+    qv = DeviceView(torch.cat([torch.zeros(3, dtype=torch.uint8), q]), lambda b: b[3:])
+    av = DeviceView(torch.cat([torch.ones(1), absmax]), lambda b: b[1:])
+    yield Case(f"dequantize_blockwise mid-storage inputs n={n}", "dequantize_blockwise",
+               (qv, av, code, bs, torch.float16), ref.dequantize_blockwise(q, absmax, code, bs, torch.float16))
+    # .out: contiguous, transposed and mid-storage outputs (the op returns nothing).
+    want = ref.dequantize_blockwise(q, absmax, code, bs, torch.bfloat16)
+    outs = {
+        "contiguous": DeviceView(torch.full((n,), 7.0, dtype=torch.bfloat16), lambda b: b),
+        "mid-storage": DeviceView(torch.full((n + 9,), 7.0, dtype=torch.bfloat16), lambda b: b[9:]),
+    }
+    for name, out in outs.items():
+        yield Case(f"dequantize_blockwise.out {name} out n={n}", "dequantize_blockwise.out",
+                   (q, absmax, code, bs, torch.bfloat16, out), None, want_args={5: want})
+    q2 = q[: rows * (n // rows)].reshape(rows, n // rows)
+    want2 = ref.dequantize_blockwise(q2, absmax, code, bs, torch.float32)
+    tout = DeviceView(torch.full((n // rows, rows), 7.0), lambda b: b.t())
+    yield Case(f"dequantize_blockwise.out transposed out {rows}x{n // rows}", "dequantize_blockwise.out",
+               (q2, absmax, code, bs, torch.float32, tout), None, want_args={5: want2})
+    # Empty tensors.
+    empty = torch.empty(0, 16, dtype=torch.float16)
+    yield Case("quantize_blockwise empty", "quantize_blockwise", (empty, code, bs),
+               (torch.empty(0, 16, dtype=torch.uint8), torch.empty(0)))
+    yield Case("dequantize_blockwise empty", "dequantize_blockwise",
+               (torch.empty(0, 16, dtype=torch.uint8), torch.empty(0), code, bs, torch.float32), torch.empty(0, 16))
+    # bitsandbytes.functional, with nested (double) quantization of the absmax (finite weights:
+    # an inf would make the mean of absmax, the offset, inf).
+    yield _functional_8bit_nested(finite_input(n, torch.float16, seed=_seed("8bit-fn", n)), 4096 if n >= 8192 else 64)
+
+
+def _functional_8bit_nested(A: torch.Tensor, bs: int) -> Case:
+    """F.quantize_blockwise(nested=True) then F.dequantize_blockwise: codes, nested statistics
+    and the round trip against the reference (the offset is the device's mean of absmax,
+    checked against float64)."""
+    code = signed_code()
+    q_ref, absmax_ref = ref.quantize_blockwise(A, code, bs)
+
+    def run(args):
+        import bitsandbytes.functional as F
+
+        q, state = F.quantize_blockwise(args[0], blocksize=bs, nested=True)
+        out = F.dequantize_blockwise(q, state)
+        return q, state.absmax, state.state2.absmax, state.offset.reshape(1).float(), out
+
+    def compare(got, want, what):
+        q, qabsmax, nested, offset, out = got
+        assert_same_bits(q, q_ref, f"{what} codes")
+        mean = float(np.mean(absmax_ref.numpy().astype(np.float64)))
+        assert abs(float(offset[0]) - mean) <= 1e-6 * max(1.0, abs(mean)), f"{what} offset {float(offset[0])} vs {mean}"
+        off = offset[0]
+        q8, nested_ref = ref.quantize_blockwise(absmax_ref - off, code, bs)
+        assert_same_bits(qabsmax, q8, f"{what} quantized absmax")
+        assert_same_bits(nested, nested_ref, f"{what} nested absmax")
+        scales = torch.from_numpy(ref.dequantize_blockwise(q8, nested_ref, code, bs, torch.float32).numpy() + off.numpy())
+        assert_same_bits(out, ref.dequantize_blockwise(q_ref, scales, code, bs, A.dtype), f"{what} dequantized")
+
+    return Case(f"functional quantize_blockwise(nested=True) blocksize={bs} n={A.numel()}", "quantize_blockwise",
+                (A,), None, compare=compare, run=run)
+
+
+def fourbit_cases(n: int) -> Iterator[Case]:
+    for dtype, bs, qt in _grid(n, ref.DTYPES, ref.BLOCKSIZES_4BIT, ("nf4", "fp4")):
+        A, _ = special_input(n, dtype, bs, seed=_seed("4bit", n, dtype, bs, qt), ties=qt)
+        packed, absmax = ref.quantize_4bit(A, bs, qt)
+        tag = f"{qt} n={n} {dtype} blocksize={bs}"
+        yield Case(f"quantize_4bit {tag}", "quantize_4bit", (A, bs, qt, torch.uint8), (packed, absmax))
+        for out_dtype in ref.DTYPES if n < LARGE else (dtype,):
+            yield Case(f"dequantize_4bit {tag} -> {out_dtype}", "dequantize_4bit",
+                       (packed, absmax, bs, qt, [n], out_dtype),
+                       ref.dequantize_4bit(packed, absmax, bs, qt, (n,), out_dtype))
+    if n in FEATURE_SIZES:
+        yield from _fourbit_features(n)
+
+
+def _fourbit_features(n: int) -> Iterator[Case]:
+    bs, qt = 64, "nf4"
+    rows = 8
+    n8 = rows * (n // rows)  # a multiple of 8: packed bytes divide into every storage itemsize
+    A, _ = special_input(n8, torch.float16, bs, seed=_seed("4bit-f", n), ties=qt)
+    A2 = A.reshape(rows, n8 // rows)
+    packed, absmax = ref.quantize_4bit(A2, bs, qt)
+    # Non-uint8 quant_storage: the packed bytes viewed as that dtype; dequantize reads the bytes.
+    for storage in (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int32):
+        want = ref.quantize_4bit(A2, bs, qt, storage)
+        yield Case(f"quantize_4bit quant_storage={storage} {rows}x{n8 // rows}", "quantize_4bit",
+                   (A2, bs, qt, storage), want)
+        yield Case(f"dequantize_4bit from quant_storage={storage}", "dequantize_4bit",
+                   (want[0], want[1], bs, qt, [rows, n8 // rows], torch.float32),
+                   ref.dequantize_4bit(want[0], want[1], bs, qt, (rows, n8 // rows), torch.float32))
+    # Transposed and mid-storage inputs.
+    tv = DeviceView(A2.t().contiguous(), lambda b: b.t())
+    yield Case("quantize_4bit transposed input", "quantize_4bit", (tv, 32, "fp4", torch.uint8),
+               ref.quantize_4bit(tv.reference(), 32, "fp4"))
+    big, _ = special_input(n + 11, torch.float32, 128, seed=_seed("4bit-m", n), ties="fp4")
+    mid = DeviceView(big, lambda b: b[3 : 3 + n])
+    yield Case(f"quantize_4bit mid-storage input n={n}", "quantize_4bit", (mid, 128, "fp4", torch.uint8),
+               ref.quantize_4bit(mid.reference(), 128, "fp4"))
+    pv = DeviceView(torch.cat([torch.zeros(5, dtype=torch.uint8), packed.reshape(-1)]), lambda b: b[5:].reshape(-1, 1))
+    av = DeviceView(torch.cat([torch.ones(2), absmax]), lambda b: b[2:])
+    yield Case("dequantize_4bit mid-storage inputs", "dequantize_4bit", (pv, av, bs, qt, [rows, n8 // rows], torch.bfloat16),
+               ref.dequantize_4bit(packed, absmax, bs, qt, (rows, n8 // rows), torch.bfloat16))
+    # .out into contiguous, transposed and mid-storage outputs.
+    shape = [rows, n8 // rows]
+    want = ref.dequantize_4bit(packed, absmax, bs, qt, tuple(shape), torch.float16)
+    outs = {
+        "contiguous": DeviceView(torch.full(shape, 3.0, dtype=torch.float16), lambda b: b),
+        "transposed": DeviceView(torch.full(shape[::-1], 3.0, dtype=torch.float16), lambda b: b.t()),
+        "mid-storage": DeviceView(torch.full((n8 + 6,), 3.0, dtype=torch.float16), lambda b: b[6:].reshape(shape)),
+    }
+    for name, out in outs.items():
+        yield Case(f"dequantize_4bit.out {name} out", "dequantize_4bit.out",
+                   (packed, absmax, bs, qt, shape, torch.float16, out), None, want_args={6: want})
+    # Empty tensors.
+    yield Case("quantize_4bit empty", "quantize_4bit", (torch.empty(0, 16), bs, qt, torch.uint8),
+               (torch.empty(0, 1, dtype=torch.uint8), torch.empty(0)))
+    yield Case("dequantize_4bit empty", "dequantize_4bit",
+               (torch.empty(0, 1, dtype=torch.uint8), torch.empty(0), bs, qt, [0, 16], torch.float32), torch.empty(0, 16))
+    # bitsandbytes.functional with double quantization (compress_statistics=True).
+    W = finite_input(n8, torch.bfloat16, seed=_seed("4bit-fn", n)).reshape(rows, n8 // rows)
+    for quant_type in ("nf4", "fp4"):
+        yield _functional_4bit_double_quant(W, 64, quant_type)
+
+
+def _functional_4bit_double_quant(A: torch.Tensor, bs: int, qt: str) -> Case:
+    """F.quantize_4bit(compress_statistics=True) and F.dequantize_4bit: packed bytes, the 8-bit
+    absmax with its nested absmax and offset, and the dequantized weights (docs/semantics.md section 3)."""
+    code = signed_code()
+    packed_ref, absmax_ref = ref.quantize_4bit(A, bs, qt)
+
+    def run(args):
+        import bitsandbytes.functional as F
+
+        packed, state = F.quantize_4bit(args[0], blocksize=bs, compress_statistics=True, quant_type=qt)
+        out = F.dequantize_4bit(packed, state)
+        return packed, state.absmax, state.state2.absmax, state.offset.reshape(1).float(), out
+
+    def compare(got, want, what):
+        packed, qabsmax, nested, offset, out = got
+        assert_same_bits(packed, packed_ref, f"{what} packed")
+        mean = float(np.mean(absmax_ref.numpy().astype(np.float64)))
+        assert abs(float(offset[0]) - mean) <= 1e-6 * max(1.0, abs(mean)), f"{what} offset {float(offset[0])} vs {mean}"
+        off = offset[0]
+        q8, nested_ref = ref.quantize_blockwise(absmax_ref - off, code, 256)
+        assert_same_bits(qabsmax, q8, f"{what} 8-bit absmax")
+        assert_same_bits(nested, nested_ref, f"{what} nested absmax")
+        scales = ref.nested_scales(q8, code, nested_ref, off)
+        assert_same_bits(out, ref.dequantize_4bit(packed_ref, scales, bs, qt, tuple(A.shape), A.dtype), f"{what} dequantized")
+
+    return Case(f"functional quantize_4bit(compress_statistics=True) {qt} {tuple(A.shape)}", "quantize_4bit", (A,), None,
+                compare=compare, run=run)
+
+
+# -- the table --------------------------------------------------------------------------------------
+
+FAMILIES: list[Family] = [
+    Family(
+        name="blockwise_8bit",
+        ops=("quantize_blockwise", "dequantize_blockwise", "dequantize_blockwise.out"),
+        cases=blockwise_8bit_cases,
+        sizes=QUANT_SIZES,
+        cpu_sizes=QUANT_CPU_SIZES,
+    ),
+    Family(
+        name="nf4_fp4",
+        ops=("quantize_4bit", "dequantize_4bit", "dequantize_4bit.out"),
+        cases=fourbit_cases,
+        sizes=QUANT_SIZES,
+        cpu_sizes=QUANT_CPU_SIZES,
+    ),
+]
+
+
+def family_of(op: str) -> Optional[Family]:
+    return next((f for f in FAMILIES if op in f.ops), None)

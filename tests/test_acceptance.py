@@ -1,0 +1,151 @@
+"""scripts/mac_acceptance.sh and its report (scripts/acceptance_report.py): the report module on
+synthetic inputs, and the script's dry run end to end (everything except the mps parts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "mac_acceptance.sh"
+
+
+def load_report_module():
+    spec = importlib.util.spec_from_file_location("acceptance_report", REPO / "scripts" / "acceptance_report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["acceptance_report"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ar = load_report_module()
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="8">
+<testcase classname="tests.test_mps" name="test_family_on_gpu[blockwise_8bit-n1-native]" time="0.5"/>
+<testcase classname="tests.test_mps" name="test_family_on_gpu[blockwise_8bit-n1-shader]" time="0.5">
+  <failure message="AssertionError: quantize_blockwise n=1: result[0]: 1 of 1 elements differ">trace</failure></testcase>
+<testcase classname="tests.test_mps" name="test_family_on_gpu[nf4_fp4-n3-native]" time="0.1">
+  <skipped message="the native tier is unavailable here: not built"/></testcase>
+<testcase classname="tests.test_mps" name="test_cpu_round_trip_on_mps[gemv_4bit.out-torch.float16-nf4]" time="0.2"/>
+<testcase classname="tests.test_mps" name="test_cpu_round_trip_on_mps[gemv_4bit.out-torch.float32-nf4]" time="0.2">
+  <error message="RuntimeError: boom"/></testcase>
+<testcase classname="tests.test_kernels_quant" name="test_8bit_all_orders[forward-0]" time="1.0"/>
+<testcase classname="tests.test_kernels_quant" name="test_4bit_all_orders[forward-0]" time="1.0"/>
+<testcase classname="tests.test_device" name="test_x" time="0.0"><skipped message="no mps"/></testcase>
+</testsuite></testsuites>
+"""
+FAMILIES = {"blockwise_8bit": ("quantize_blockwise",), "nf4_fp4": ("quantize_4bit",)}
+
+
+def test_junit_is_grouped_per_family_and_tier_per_op_and_per_file(tmp_path):
+    (tmp_path / "junit.xml").write_text(JUNIT)
+    tests = ar.parse_junit(tmp_path / "junit.xml")
+    assert len(tests) == 8
+    g = ar.group_tests(tests, FAMILIES)
+    assert g["totals"] == {"passed": 4, "failed": 2, "skipped": 2}
+    fam = g["gpu_families"]
+    assert fam["blockwise_8bit"]["native"]["passed"] == 1 and fam["blockwise_8bit"]["shader"]["failed"] == 1
+    assert "1 of 1 elements differ" in fam["blockwise_8bit"]["shader"]["failures"][0]
+    assert fam["nf4_fp4"]["native"]["skipped"] == 1 and "not built" in fam["nf4_fp4"]["native"]["skip_reason"]
+    assert g["cpu_round_trip"]["gemv_4bit.out"]["passed"] == 1 and g["cpu_round_trip"]["gemv_4bit.out"]["failed"] == 1
+    assert g["files"]["tests/test_kernels_quant.py"]["passed"] == 2
+    assert g["files"]["tests/test_device.py"]["skipped"] == 1
+
+
+def fake_report(tmp_path, junit=JUNIT, dry_run=False, steps=((("test suite", 0, 3.0),))):
+    work = tmp_path / "work"
+    work.mkdir(parents=True)
+    (work / "junit.xml").write_text(junit)
+    (work / "steps.tsv").write_text("".join(f"{n}\t{rc}\t{s}\tlog\t\n" for n, rc, s in steps))
+    (work / "bench_kernels.json").write_text(json.dumps({"mode": "gpu", "cases": [
+        {"family": "quant", "name": "quantize_4bit nf4", "required_bytes": 1, "ms": 0.5, "gbps": 100.0,
+         "pct_of_peak": 50.0, "stock_ms": 1.0}]}))
+    report = ar.build_report(work, dry_run, REPO)
+    report["families"] = FAMILIES
+    report["tests"] = ar.group_tests(ar.parse_junit(work / "junit.xml"), FAMILIES)
+    report["verdict"] = ar.verdict(report)
+    return report
+
+
+def test_report_files_hold_the_machine_tiers_tests_and_benchmarks(tmp_path):
+    report = fake_report(tmp_path)
+    md_path, json_path = ar.write_report(report, tmp_path / "out")
+    md = md_path.read_text()
+    data = json.loads(json_path.read_text())
+    assert md_path.name == "acceptance-report.md" and json_path.name == "acceptance-report.json"
+    assert report["verdict"].startswith("FAIL (2 failed tests")
+    for text in ("## Machine", "torch", "bitsandbytes", "Metal language version requested", "tier that loaded",
+                 "| blockwise_8bit | quantize_blockwise | passed (1/1) | FAILED (1 of 1) |",
+                 "| gemv_4bit.out |", "tests/test_kernels_quant.py", "| quantize_4bit nf4 | 0.5 | 100 | 50% | 1 | 2.00x |",
+                 "scripts/bench_optimizers.py"):
+        assert text in md, text
+    assert data["machine"]["python"] and data["tests"]["totals"]["failed"] == 2
+    assert data["benchmarks"]["kernels (scripts/bench_kernels.py --short)"]["data"]["mode"] == "gpu"
+
+
+def test_verdicts(tmp_path):
+    passing = JUNIT.replace('<failure message="AssertionError: quantize_blockwise n=1: result[0]: 1 of 1 elements differ">trace</failure>', "")
+    passing = passing.replace('<error message="RuntimeError: boom"/>', "")
+    assert fake_report(tmp_path / "a", passing)["verdict"] == "PASS"
+    assert fake_report(tmp_path / "b", passing, steps=[("kernel benchmarks (short)", 1, 2.0)])["verdict"].startswith("FAIL")
+    assert fake_report(tmp_path / "c", passing, dry_run=True)["verdict"].startswith("DRY RUN passed")
+    none_ran = ('<testsuites><testsuite><testcase classname="tests.test_mps" name="test_family_on_gpu[nf4_fp4-n3-native]">'
+                '<skipped message="x"/></testcase></testsuite></testsuites>')
+    assert fake_report(tmp_path / "d", none_ran)["verdict"].startswith("INCOMPLETE")
+
+
+def test_metal_language_version_is_what_the_native_library_requests():
+    assert ar.metal_info("14.5")["language_version"].startswith("MSL 3.1")
+    assert "no version requested" in ar.metal_info("13.6")["language_version"]
+    assert ar.metal_info(None)["language_version"].startswith("n/a")
+    # the rule quoted in the report is the one in the source
+    assert "MTLLanguageVersion3_1" in (REPO / "csrc" / "mps_ops.mm").read_text()
+
+
+def test_benchmark_tables_for_every_format():
+    emulated = {"mode": "emulated", "cases": [{"name": "q", "launches": 1, "extra_alloc_bytes": 0,
+                                               "host_reads": "none", "kernels": ["k"]}]}
+    assert "| q | 1 | 0 | none | k |" in ar.benchmark_markdown(emulated)
+    other = {"results": [{"optimizer": "adam", "ms": 1.5}]}
+    assert "| optimizer | ms |" in ar.benchmark_markdown(other) and "| adam | 1.5 |" in ar.benchmark_markdown(other)
+    assert ar.benchmark_markdown(None) == "(not run)"
+
+
+def test_refuses_to_run_without_apple_silicon(tmp_path):
+    if sys.platform == "darwin":
+        pytest.skip("this is a Mac")
+    r = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "no mps device" in r.stderr and "--dry-run" in r.stderr
+    assert not (tmp_path / "acceptance-report.md").exists()
+
+
+@pytest.mark.skipif(os.environ.get("BNB_MPS_ACCEPTANCE") == "1", reason="inside an acceptance run already")
+def test_dry_run_completes_and_writes_its_report(tmp_path):
+    """The whole script on this machine, except the mps parts: a venv with bnb-mps installed into
+    it (--no-build-isolation), python -m bnb_mps, part of the suite, the benchmarks' emulated mode."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=900, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    md = (tmp_path / "acceptance-report.md").read_text()
+    data = json.loads((tmp_path / "acceptance-report.json").read_text())
+    assert data["dry_run"] and data["verdict"].startswith("DRY RUN passed")
+    assert [s["name"] for s in data["steps"]][:4] == ["create the venv and install bnb-mps", "python -m bnb_mps",
+                                                      "test suite", "kernel benchmarks (short)"]
+    assert all(s["status"] == 0 for s in data["steps"][:4])
+    assert data["tests"]["totals"]["passed"] > 0 and data["tests"]["totals"]["failed"] == 0
+    assert set(data["tests"]["gpu_families"]) >= {"blockwise_8bit", "nf4_fp4"}
+    assert data["benchmarks"]["kernels (scripts/bench_kernels.py --short)"]["data"]["mode"] == "emulated"
+    assert data["machine"]["torch"] and data["tiers"]["ops"]
+    # bnb-mps ran from the new venv, installed there
+    venv_site = tmp_path / "acceptance-work" / "venv"
+    assert list(venv_site.glob("lib/python*/site-packages/_editable_skbc_bnb_mps.pth"))
+    assert "## Machine" in md and "## Benchmarks" in md

@@ -1,0 +1,176 @@
+"""The machinery of the `mps` suite, here on the CPU: inputs place special values where they say,
+comparisons treat NaN as NaN, every op with a Metal kernel belongs to a family, and every family's
+cases (at small sizes) pass through the project's kernels under the emulator, which checks the
+table's references and calls before a Mac runs them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mps_families as fam
+import spec_reference as ref
+from bnb_mps import ops
+
+
+@pytest.mark.parametrize("n,blocksize", [(6, 64), (100, 64), (1000, 32), (4097, 4096), (64 * 40 + 5, 64), (12_345, 256)])
+@pytest.mark.parametrize("dtype", ref.DTYPES, ids=str)
+def test_specials_are_inside_blocks(n, blocksize, dtype):
+    x, where = fam.special_input(n, dtype, blocksize, seed=1)
+    assert x.shape == (n,) and x.dtype == dtype
+    for name in fam.POINT_SPECIALS:
+        assert name in where, name  # enough interior positions: every point special is placed
+        i = where[name]
+        assert 0 <= i < n and i % blocksize != 0, (name, i)
+        v = x[i].float()
+        check = {"nan": torch.isnan(v), "+inf": v == float("inf"), "-inf": v == -float("inf"),
+                 "-0.0": v == 0 and torch.signbit(v), "subnormal": 0 < v < torch.finfo(dtype).tiny}[name]
+        assert bool(check), (name, v)
+    assert len(set(where[k] for k in fam.POINT_SPECIALS)) == len(fam.POINT_SPECIALS)
+    full_blocks = n // blocksize
+    if full_blocks - 1 >= len(fam.BLOCK_SPECIALS):
+        blocks = [where[k] for k in fam.BLOCK_SPECIALS]
+        assert len(set(blocks)) == len(blocks) and all(0 < b < full_blocks for b in blocks)
+        zero = x[where["zero_block"] * blocksize : (where["zero_block"] + 1) * blocksize]
+        assert torch.all(zero == 0)
+        tie = x[where["tie_block"] * blocksize : (where["tie_block"] + 1) * blocksize].float()
+        assert tie.abs().max() == 1.0 and tie[0].abs() != 1.0  # the block max is inside the block
+
+
+@pytest.mark.parametrize("blocksize", [64, 4096])
+def test_most_blocks_exercise_the_code_search(blocksize):
+    """Unlike inputs that start with [0, nan, inf], almost every block has a finite, non-zero
+    absmax, so its elements go through the nearest-code search."""
+    n = 200 * blocksize + 7
+    x, _ = fam.special_input(n, torch.float32, blocksize, seed=3)
+    _, absmax = ref.quantize_blockwise(x, fam.signed_code(), blocksize)
+    normal = torch.isfinite(absmax) & (absmax > 0)
+    assert normal.float().mean() >= 0.95
+
+
+def test_small_inputs_keep_specials_off_block_starts():
+    x, where = fam.special_input(3, torch.float16, 64, seed=0)
+    assert set(where) == {"nan", "+inf"} and where["nan"] != where["+inf"] and 0 not in where.values()
+    x, where = fam.special_input(1, torch.float16, 64, seed=0)
+    assert where == {} and torch.isfinite(x).all()
+    assert fam.special_input(0, torch.float32, 64, seed=0)[0].numel() == 0
+
+
+def test_same_bits_treats_nan_as_nan_and_checks_everything_else():
+    a = torch.tensor([1.0, float("nan"), -0.0], dtype=torch.float16)
+    other_nan = torch.tensor([1.0, 0.0, -0.0], dtype=torch.float16)
+    other_nan[1] = torch.tensor(0x7E01, dtype=torch.int16).view(torch.float16)  # another payload
+    negative_nan = a.clone().view(torch.int16)
+    negative_nan[1] = negative_nan[1] | -0x8000
+    fam.assert_same_bits(a, other_nan)
+    fam.assert_same_bits(a, negative_nan.view(torch.float16))
+    with pytest.raises(AssertionError, match="NaN positions"):
+        fam.assert_same_bits(a, torch.tensor([1.0, 2.0, -0.0], dtype=torch.float16))
+    with pytest.raises(AssertionError, match="1 of 3 elements differ"):
+        fam.assert_same_bits(a, torch.tensor([1.0, float("nan"), 0.0], dtype=torch.float16))  # -0.0 vs +0.0
+    with pytest.raises(AssertionError, match="dtype"):
+        fam.assert_same_bits(a, a.float())
+    with pytest.raises(AssertionError, match="shape"):
+        fam.assert_same_bits(a, a[:2])
+    fam.assert_same_bits((a, torch.tensor([3], dtype=torch.uint8)), (other_nan, torch.tensor([3], dtype=torch.uint8)))
+    with pytest.raises(AssertionError):
+        fam.assert_same_bits((a, torch.tensor([3], dtype=torch.uint8)), (a, torch.tensor([4], dtype=torch.uint8)))
+
+
+def test_assert_close_treats_nan_as_nan():
+    close = fam.assert_close(rtol=1e-3, atol=0)
+    close(torch.tensor([1.0, float("nan")]), torch.tensor([1.0005, float("nan")]))
+    with pytest.raises(AssertionError):
+        close(torch.tensor([1.0, float("nan")]), torch.tensor([1.01, float("nan")]))
+    with pytest.raises(AssertionError):
+        close(torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("nan")]))
+
+
+def test_device_views_are_views_on_the_device():
+    base = torch.arange(20.0)
+    mid = fam.DeviceView(base, lambda b: b[3:13])
+    v = mid.on("cpu")
+    assert v.storage_offset() == 3 and v.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    t = fam.DeviceView(base.reshape(4, 5), lambda b: b.t()).on("cpu")
+    assert not t.is_contiguous() and t.shape == (5, 4)
+
+
+def test_every_kernel_is_in_a_family():
+    """An op that gains a Metal kernel must get a table entry (one `Family`), so a Mac checks it."""
+    with_kernel = {name for name, op in ops.OPS.items() if op.kernel is not None}
+    covered = {op for f in fam.FAMILIES for op in f.ops}
+    assert with_kernel <= covered, f"ops with a kernel but no family in tests/mps_families.py: {sorted(with_kernel - covered)}"
+    assert covered <= set(ops.OPS)
+    for f in fam.FAMILIES:
+        assert min(f.sizes) == 1 and max(f.sizes) >= 16 * 2**20 - 64, f.name
+        assert set(f.cpu_sizes) <= set(f.sizes) or max(f.cpu_sizes) < 100_000
+
+
+def test_cases_cover_every_op_of_their_family():
+    for f in fam.FAMILIES:
+        seen = {c.op for n in f.sizes if n < 100_000 for c in f.cases(n)}
+        assert seen == set(f.ops), (f.name, set(f.ops) - seen)
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    import bitsandbytes  # noqa: F401  (first: importing it later would put its own CPU kernels back)
+
+    from bnb_mps.testing import use_emulated_kernels
+
+    try:
+        with use_emulated_kernels() as recorder:
+            yield recorder
+    except Exception as e:  # the emulator's runtime is not built here
+        pytest.skip(f"emulator unavailable: {e}")
+
+
+CPU_RUNS = [(f, n) for f in fam.FAMILIES for n in f.cpu_sizes]
+
+
+@pytest.mark.parametrize("family,n", CPU_RUNS, ids=[f"{f.name}-n{n}" for f, n in CPU_RUNS])
+def test_family_cases_pass_under_the_emulator(emulated, family, n):
+    """The same cases a Mac runs, on CPU tensors through the project's kernels (emulated)."""
+    before = len(emulated.launched)
+    count = 0
+    for case in family.cases(n):
+        fam.run_case(case, "cpu")
+        count += 1
+    assert count > 0
+    launched = emulated.launched[before:]
+    assert launched, "no kernel ran"
+
+
+@pytest.mark.parametrize("family", fam.FAMILIES, ids=lambda f: f.name)
+def test_feature_cases_pass_under_the_emulator(emulated, family):
+    """Views, .out, storage types, empty tensors and bitsandbytes.functional (double quantization)."""
+    n = min(fam.FEATURE_SIZES)
+    labels = []
+    for case in family.cases(n):
+        if "n=" in case.label and f"n={n} " in case.label and "blocksize=" in case.label and "functional" not in case.label:
+            continue  # the plain grid is covered above
+        fam.run_case(case, "cpu")
+        labels.append(case.label)
+    text = " ".join(labels)
+    for feature in ("mid-storage", "transposed", ".out", "empty", "functional"):
+        assert feature in text, (family.name, feature)
+
+
+def test_a_wrong_reference_is_caught(emulated):
+    """The harness fails when the kernel result differs from the reference."""
+    case = next(iter(fam.FAMILIES[0].cases(1000)))
+    q, absmax = case.want
+    bad = fam.Case(case.label, case.op, case.args, (q, absmax * 2))
+    with pytest.raises(AssertionError, match="differ"):
+        fam.run_case(bad, "cpu")
+
+
+def test_uses_dtype_sees_inputs_views_dtype_arguments_and_references():
+    case = next(c for c in fam.FAMILIES[0].cases(1000) if "bfloat16" in c.label)
+    assert fam.uses_dtype(case, torch.bfloat16)
+    plain = fam.Case("x", "quantize_blockwise", (torch.zeros(3), fam.signed_code(), 64), (torch.zeros(3, dtype=torch.uint8),))
+    assert not fam.uses_dtype(plain, torch.bfloat16)
+    view = fam.Case("x", "quantize_blockwise", (fam.DeviceView(torch.zeros(4, dtype=torch.bfloat16), lambda b: b[1:]),), None)
+    assert fam.uses_dtype(view, torch.bfloat16)
