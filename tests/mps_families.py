@@ -493,6 +493,49 @@ def _functional_4bit_double_quant(A: torch.Tensor, bs: int, qt: str) -> Case:
                 compare=compare, run=run)
 
 
+# -- 4-bit matrix products (gemv_4bit, gemm_4bit) ----------------------------------------------------
+# n counts the weight's elements (N * K); each size gets the three kernel paths (M = 1, 5, 40), fp16,
+# bf16 and fp32, plain and nested absmax, with and without bias, compared with the float64
+# reference of SPEC section 4 under its accuracy rule (reference_matmul_4bit.check_accuracy).
+
+MATMUL_SHAPES = {1: (1, 1), 4_160: (4, 1_040), 4_096: (64, 64), 16_777_216: (4_096, 4_096)}
+
+
+def _matmul_compare(got: Any, want: Any, what: str = "result") -> None:
+    import reference_matmul_4bit as R
+
+    if want is None:
+        assert got is None, f"{what}: expected nothing, got {type(got)}"
+        return
+    A, W, bias, N = want
+    try:
+        R.check_accuracy(got.reshape(-1, N), A.reshape(-1, A.shape[-1]), W, bias,
+                         linear_device="mps" if torch.backends.mps.is_available() else "cpu")  # fmt: skip
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+
+
+def matmul_4bit_cases(n: int) -> Iterator[Case]:
+    import matmul_4bit_cases as mc
+    import reference_matmul_4bit as R
+
+    N, K = MATMUL_SHAPES[n]
+    for i, (M, dtype, nested, bias) in enumerate(_grid(n, (1, 5, 40), ref.DTYPES, (False, True), (False, True))):
+        c = mc.Case(M, N, K, dtype=dtype, blocksize=64 if K % 64 == 0 or K < 64 else 32, nested=nested, bias=bias,
+                    seed=_seed("gemm", n, i))  # fmt: skip
+        A, args, W, b = mc.gemm_args(c)
+        yield Case(f"gemm_4bit {c}", "gemm_4bit", tuple(args), (A, W, b, N), compare=_matmul_compare)
+    for i, (M, dtype, qt) in enumerate(_grid(n, (1, 3), ref.DTYPES, ("nf4", "fp4"))):
+        c = mc.Case(M, N, K, dtype=dtype, quant_type=qt, seed=_seed("gemv", n, i))
+        A, (_, packed, shapeB, absmax, *_rest), W, _ = mc.gemm_args(c)
+        code = torch.from_numpy(R.table(qt).copy())
+        args = (A, packed, shapeB, absmax, code, c.blocksize)
+        yield Case(f"gemv_4bit {c}", "gemv_4bit", args, (A, W, None, N), compare=_matmul_compare)
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        yield Case(f"gemv_4bit.out {c}", "gemv_4bit.out", args + (out,), None, want_args={6: (A, W, None, N)},
+                   compare=_matmul_compare)  # fmt: skip
+
+
 # -- the table --------------------------------------------------------------------------------------
 
 FAMILIES: list[Family] = [
@@ -509,6 +552,13 @@ FAMILIES: list[Family] = [
         cases=fourbit_cases,
         sizes=QUANT_SIZES,
         cpu_sizes=QUANT_CPU_SIZES,
+    ),
+    Family(
+        name="matmul_4bit",
+        ops=("gemm_4bit", "gemv_4bit", "gemv_4bit.out"),
+        cases=matmul_4bit_cases,
+        sizes=tuple(sorted(MATMUL_SHAPES)),
+        cpu_sizes=(1, 4_096),
     ),
 ]
 
