@@ -148,12 +148,14 @@ def outlier_terms(A, CB, SCB, outlier_cols) -> torch.Tensor:
 _MANT = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
 
 
+def spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The distance between neighbouring `dtype` values at |x| (float64; subnormal spacing below
+    the smallest normal)."""
+    ax = x.double().abs().clamp(min=torch.finfo(dtype).tiny)
+    return torch.pow(2.0, torch.floor(torch.log2(ax)) - _MANT[dtype])
+
+
 def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """|got - want| in units of the last place of got's dtype at want (float64)."""
-    dtype = got.dtype
-    mant = _MANT[dtype]
-    w = want.double()
-    ax = w.abs().clamp(min=torch.finfo(dtype).tiny)
-    spacing = torch.pow(2.0, torch.floor(torch.log2(ax)) - mant)
-    return (got.double() - w).abs() / spacing
+    return (got.double() - want.double()).abs() / spacing(want, got.dtype)
 

@@ -37,7 +37,8 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _rows(A: torch.Tensor) -> int:
-    return A.numel() // A.shape[-1] if A.dim() and A.shape[-1] else 0
+    """numel / A.shape[-1] (SPEC), also when the last dimension is 0."""
+    return math.prod(A.shape[:-1]) if A.dim() else 0
 
 
 def _check_quant(op, A, threshold) -> None:
@@ -181,8 +182,7 @@ def _threshold_bits(threshold: float) -> int:
 
 
 def _rows_cols(A: torch.Tensor) -> tuple[int, int]:
-    cols = A.shape[-1]
-    return (A.numel() // cols if cols else 0), cols
+    return _rows(A), A.shape[-1]
 
 
 def _outlier_workspace(cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,8 +218,8 @@ def int8_vectorwise_quant_kernel(executor, A: torch.Tensor, threshold=0.0):
     CA = torch.empty(A.shape, dtype=torch.int8, device=A.device)
     row_stats = torch.empty(rows, dtype=torch.float32, device=A.device)
     outliers = threshold > 0.0
-    if A.numel() == 0:
-        return CA, row_stats, (torch.empty(0, dtype=torch.int64, device=A.device) if outliers else None)
+    if A.numel() == 0:  # rows of no elements have max 0
+        return CA, row_stats.zero_(), (torch.empty(0, dtype=torch.int64, device=A.device) if outliers else None)
     dt = DTYPE_NAMES[A.dtype]
     geometry = dict(grid=(rows, 1, 1), threadgroup=(_row_threads(cols), 1, 1))
     if not outliers:
@@ -246,7 +246,8 @@ def int8_double_quant_kernel(executor, A: torch.Tensor, threshold=0.0):
     col_stats = torch.zeros(cols, dtype=torch.float32, device=device)  # pass 1 takes atomic maxima
     outliers = threshold > 0.0
     if A.numel() == 0:
-        return CA, CAt, row_stats, col_stats, (torch.empty(0, dtype=torch.int64, device=device) if outliers else None)
+        empty_cols = torch.empty(0, dtype=torch.int64, device=device) if outliers else None
+        return CA, CAt, row_stats.zero_(), col_stats, empty_cols
     dt = DTYPE_NAMES[A.dtype]
     A = aligned(A)
     threads = _row_threads(cols)
