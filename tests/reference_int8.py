@@ -138,11 +138,16 @@ def int8_mixed_scaled_mm(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None):
     return ref64.to(A.dtype), subA, ref64
 
 
-def outlier_terms(A, CB, SCB, outlier_cols) -> torch.Tensor:
-    """sum_j |A[m, c_j] * W[n, c_j]| in float64 (the scale of the outlier part's rounding error)."""
+def mixed_allowance(got, exact, A, CA, CB, SCA, SCB, outlier_cols, bias=None) -> torch.Tensor:
+    """How far a float32 evaluation of int8_mixed_scaled_mm may be from `exact` (its float64 sum):
+    one spacing of A's dtype (the final rounding, at either value), plus float32's rounding of
+    the n_out products and additions (2^-24 relative each, of the magnitudes involved)."""
     cols = outlier_cols.long()
     W = int8_vectorwise_dequant(CB[:, cols].contiguous(), SCB).to(A.dtype)
-    return A.detach().cpu()[:, cols].double().abs() @ W.double().abs().T
+    terms = A.detach().cpu()[:, cols].double().abs() @ W.double().abs().T
+    terms = terms + int8_scaled_mm(CA, CB, SCA, SCB, bias, A.dtype).double().abs()
+    final = torch.maximum(spacing(exact, A.dtype), spacing(got, A.dtype))
+    return final + (cols.numel() + 1) * 2.0**-24 * terms
 
 
 _MANT = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
