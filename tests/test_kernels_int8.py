@@ -9,6 +9,8 @@ is compared with the exact sum within the rounding it allows.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bitsandbytes  # noqa: F401  (defines the torch.ops.bitsandbytes schemas)
+import op_inputs
 import reference_int8 as ref
 from bnb_mps.msl import source as kernel_source
 from bnb_mps.ops import call, int8 as int8_ops
@@ -419,6 +422,35 @@ def test_host_reads_under_fake_tensors(name, args, reads):
         assert out.shape == (6, 10) and subA.shape == (6, 3) and subA.dtype == torch.float16
     elif reads:
         assert result[-1].dtype == torch.int64 and result[-1].dim() == 1
+
+
+# -- the shared op inputs (tests/op_inputs.py) --------------------------------------------------------
+
+INT8_CASES = [(n, label) for n in sorted(OPS) if n.startswith("int8_") for label, _ in op_inputs.cases(n)]
+
+
+@pytest.mark.parametrize(("name", "label"), INT8_CASES, ids=[f"{n}-{lb}" for n, lb in INT8_CASES])
+def test_op_inputs_against_reference(library, name, label):
+    args = copy.deepcopy(dict(op_inputs.cases(name))[label])
+    ex = EmulatedExecutor(library, order="random", seed=len(label))
+    if name == "int8_vectorwise_quant":
+        check_vectorwise_quant(ex, *args)
+    elif name == "int8_double_quant":
+        check_double_quant(ex, *args)
+    elif name == "int8_vectorwise_dequant":
+        assert same_bits(run(name, ex, *args), ref.int8_vectorwise_dequant(*args))
+    elif name == "int8_linear_matmul":
+        assert torch.equal(run(name, ex, *args), ref.int8_linear_matmul(*args))
+    elif name == "int8_linear_matmul.out":
+        *inputs, out = args
+        assert run(name, ex, *args) is None and torch.equal(out, ref.int8_linear_matmul(*inputs))
+    elif name == "int8_mm_dequant":
+        assert same_bits(run(name, ex, *args), ref.int8_mm_dequant(*args))
+    elif name == "int8_scaled_mm":
+        assert same_bits(run(name, ex, *args), ref.int8_scaled_mm(*args))
+    else:
+        assert name == "int8_mixed_scaled_mm"
+        check_mixed(ex, *args)
 
 
 # -- random inputs ----------------------------------------------------------------------------------
