@@ -111,7 +111,8 @@ inline void bnb_int8_gemv_dot(device const char* A, device const char* B, uint M
 // over k-tiles of 32: each k-tile of A and B is staged in threadgroup memory as half (int8 values
 // are exact in half), then each simdgroup multiplies its 32 x (64 / SGN) sub-tile with 8x8
 // simdgroup_matrix operations into float accumulators (SGN = 2 simdgroups along N for BM = 64,
-// 4 for BM = 32).
+// 4 for BM = 32). Each thread loads one 16-byte segment of A and of B per k-tile into registers
+// a k-tile ahead, so that device loads overlap the products. Threadgroup memory: 11 KB.
 #define BNB_INT8_TILE_N 64u
 #define BNB_INT8_TILE_K 32u
 #define BNB_INT8_TILE_LD 40u  // halves per staged row: 32 + 8 of padding against bank conflicts
@@ -120,30 +121,35 @@ inline void bnb_int8_gemv_dot(device const char* A, device const char* B, uint M
 #define BNB_INT8_TILE_HALVES 2560   // 64 * BNB_INT8_TILE_LD
 #define BNB_INT8_SCRATCH_FLOATS 256 // 4 * 64
 
-// Rows r0 .. r0 + ROWS - 1, columns k0 .. k0 + 31 of X [rows, K] into tile (as half), zeros
-// outside X. Each thread stages 16-byte segments (two per row).
+// Staging a k-tile: rows r0 .. r0 + ROWS - 1, columns k0 .. k0 + 31 of X [rows, K] (zeros outside
+// X), as half in threadgroup memory. Thread tid stages the 16-byte segment tid of the tile (two per
+// row) when tid < 2 ROWS (ROWS = 32 or 64: at most one segment per thread of 128). The load into
+// registers and the store into threadgroup memory are separate, so that the next k-tile's loads
+// are in flight while the current one is multiplied.
 template <uint ROWS, bool VEC>
-inline void bnb_int8_stage(device const char* X, uint rows, uint K, uint r0, uint k0, uint tid,
-                           threadgroup half* tile) {
-    for (uint s = tid; s < ROWS * 2u; s += BNB_INT8_TILED_THREADS) {
-        const uint r = s >> 1;
-        const uint seg = (s & 1u) * 16u;
-        const uint row = r0 + r;
-        const uint k = k0 + seg;
-        uint4 w = uint4(0u);
-        if (row < rows) {
-            if (VEC) {
-                if (k < K) {  // K % 16 == 0: the whole segment is in range
-                    w = *reinterpret_cast<device const uint4*>(X + row * K + k);
-                }
-            } else {
-                for (uint i = 0; i < 16u; ++i) {
-                    const uint byte = k + i < K ? uint(as_type<uchar>(X[row * K + k + i])) : 0u;
-                    w[i / 4u] |= byte << (8u * (i % 4u));
-                }
+inline uint4 bnb_int8_load_segment(device const char* X, uint rows, uint K, uint r0, uint k0, uint tid) {
+    uint4 w = uint4(0u);
+    const uint row = r0 + (tid >> 1);
+    const uint k = k0 + (tid & 1u) * 16u;
+    if (tid < 2u * ROWS && row < rows) {
+        if (VEC) {
+            if (k < K) {  // K % 16 == 0: the whole segment is in range
+                w = *reinterpret_cast<device const uint4*>(X + row * K + k);
+            }
+        } else {
+            for (uint i = 0; i < 16u; ++i) {
+                const uint byte = k + i < K ? uint(as_type<uchar>(X[row * K + k + i])) : 0u;
+                w[i / 4u] |= byte << (8u * (i % 4u));
             }
         }
-        threadgroup half4* dst = reinterpret_cast<threadgroup half4*>(tile + r * BNB_INT8_TILE_LD + seg);
+    }
+    return w;
+}
+
+template <uint ROWS>
+inline void bnb_int8_store_segment(uint4 w, uint tid, threadgroup half* tile) {
+    if (tid < 2u * ROWS) {
+        threadgroup half4* dst = reinterpret_cast<threadgroup half4*>(tile + (tid >> 1) * BNB_INT8_TILE_LD + (tid & 1u) * 16u);
         for (uint q = 0; q < 4u; ++q) {
             dst[q] = half4(as_type<char4>(w[q]));
         }
@@ -185,10 +191,16 @@ inline void bnb_int8_tiled_dot(device const char* A, device const char* B, uint 
         total[2u * f + 1u] = 0;
     }
     const uint tiles = (K + BNB_INT8_TILE_K - 1u) / BNB_INT8_TILE_K;
+    uint4 wa = bnb_int8_load_segment<BM, VEC>(A, M, K, m0, 0u, tid);
+    uint4 wb = bnb_int8_load_segment<BNB_INT8_TILE_N, VEC>(B, N, K, n0, 0u, tid);
     for (uint t = 0; t < tiles; ++t) {
-        bnb_int8_stage<BM, VEC>(A, M, K, m0, t * BNB_INT8_TILE_K, tid, As);
-        bnb_int8_stage<BNB_INT8_TILE_N, VEC>(B, N, K, n0, t * BNB_INT8_TILE_K, tid, Bs);
+        bnb_int8_store_segment<BM>(wa, tid, As);
+        bnb_int8_store_segment<BNB_INT8_TILE_N>(wb, tid, Bs);
         threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (t + 1u < tiles) {  // the next k-tile's loads overlap this one's products
+            wa = bnb_int8_load_segment<BM, VEC>(A, M, K, m0, (t + 1u) * BNB_INT8_TILE_K, tid);
+            wb = bnb_int8_load_segment<BNB_INT8_TILE_N, VEC>(B, N, K, n0, (t + 1u) * BNB_INT8_TILE_K, tid);
+        }
         for (uint kk = 0; kk < BNB_INT8_TILE_K; kk += 8u) {
             simdgroup_half8x8 a[4];
             simdgroup_half8x8 b[FN];
