@@ -35,6 +35,8 @@ from .registry import checks, composite, kernel
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
+# -- checks ---------------------------------------------------------------------------------------
+
 
 def _rows(A: torch.Tensor) -> int:
     """numel / A.shape[-1] (SPEC), also when the last dimension is 0."""
@@ -126,27 +128,6 @@ def int8_mixed_scaled_mm(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None) -> N
     _check_stats(op, _rows(A), CB.shape[0], SCA, SCB, bias)
     v.tensor(op, "outlier_cols", outlier_cols, dtypes=INDEX_DTYPES, ndim=1, optional=True)
     v.same_device(op, A=A, CA=CA, CB=CB, SCA=SCA, SCB=SCB, outlier_cols=outlier_cols, bias=bias)
-
-
-@composite("int8_double_quant")
-def int8_double_quant_cpu(A: torch.Tensor, threshold: float = 0.0):
-    """Row- and column-wise int8 quantization as bitsandbytes' CUDA backend composes it.
-
-    Rows come from `int8_vectorwise_quant` (outlier columns zeroed); columns are scaled by their
-    absmax over non-outlier elements (|A| >= threshold are outliers when threshold > 0), with
-    outliers zeroed before rounding half to even.
-    """
-    quant_row, row_stats, outlier_cols = torch.ops.bitsandbytes.int8_vectorwise_quant.default(A, threshold)
-    absA = A.abs().reshape(-1, A.shape[-1])
-    outliers = None
-    if threshold > 0.0:
-        outliers = absA >= threshold
-        absA = absA.masked_fill(outliers, 0.0)
-    col_stats = absA.amax(dim=0).float()
-    if outliers is not None:
-        A = A.masked_fill(outliers.reshape(A.shape), 0.0)
-    quant_col = torch.round(A.mul(127.0) / col_stats.unsqueeze(0)).to(torch.int8)
-    return quant_row, quant_col, row_stats, col_stats, outlier_cols
 
 
 # -- kernels --------------------------------------------------------------------------------------
@@ -430,3 +411,27 @@ def int8_mixed_scaled_mm_kernel(executor, A, CA, CB, SCA, SCB, outlier_cols=None
     subA = torch.empty((M, n_out), dtype=A.dtype, device=A.device)
     cols = flat(outlier_cols if outlier_cols.dtype == torch.int64 else outlier_cols.to(torch.int64))
     return _scaled_mm(executor, CA, CB, SCA, SCB, bias, A.dtype, mixed=(aligned(A), cols, subA)), subA
+
+
+# -- the CPU fallback's composition ------------------------------------------------------------------
+
+
+@composite("int8_double_quant")
+def int8_double_quant_cpu(A: torch.Tensor, threshold: float = 0.0):
+    """Row- and column-wise int8 quantization as bitsandbytes' CUDA backend composes it.
+
+    Rows come from `int8_vectorwise_quant` (outlier columns zeroed); columns are scaled by their
+    absmax over non-outlier elements (|A| >= threshold are outliers when threshold > 0), with
+    outliers zeroed before rounding half to even.
+    """
+    quant_row, row_stats, outlier_cols = torch.ops.bitsandbytes.int8_vectorwise_quant.default(A, threshold)
+    absA = A.abs().reshape(-1, A.shape[-1])
+    outliers = None
+    if threshold > 0.0:
+        outliers = absA >= threshold
+        absA = absA.masked_fill(outliers, 0.0)
+    col_stats = absA.amax(dim=0).float()
+    if outliers is not None:
+        A = A.masked_fill(outliers.reshape(A.shape), 0.0)
+    quant_col = torch.round(A.mul(127.0) / col_stats.unsqueeze(0)).to(torch.int8)
+    return quant_row, quant_col, row_stats, col_stats, outlier_cols
