@@ -147,7 +147,9 @@ def check_mixed(ex, A, CA, CB, SCA, SCB, outlier_cols, bias=None):
 # -- every lane order, race checking, both poison bytes -----------------------------------------------
 
 ALL_ORDER_QUANT = [((9, 64), 0), ((17, 33), 1), ((2, 3, 20), 2), ((1, 40), 3)]
-ALL_ORDER_PRODUCTS = [(1, 20, 48), (5, 18, 33), (20, 70, 80), (70, 65, 40)]  # gemv1, gemv4, tile32, tile64
+# Every product kernel: gemv1, gemv4, tile32, tile64, each with K % 16 == 0 (_k16) and without.
+ALL_ORDER_PRODUCTS = [(1, 20, 48), (1, 9, 33), (5, 18, 33), (3, 20, 64), (20, 70, 80), (12, 40, 40),
+                      (70, 65, 40), (40, 64, 32)]  # fmt: skip
 
 
 @pytest.mark.parametrize("poison", POISONS)
