@@ -171,10 +171,61 @@ def _gemm4bit_cases(mode: str) -> Iterator[Case]:
                         yield case(N, K, M, dtype, nested, table="threadgroup")
 
 
+def _int8_cases(mode: str) -> Iterator[Case]:
+    """LLM.int8() linear layers, fp16 activations: the fused int8_scaled_mm on pre-quantized
+    operands (weight [N, K] int8), and the whole inference step of a Linear8bitLt (row-quantize
+    the activations with outlier threshold 6.0, then int8_mixed_scaled_mm). Baseline: fp16 linear
+    (F.linear) on the same shapes; stock bitsandbytes' mps path is its default one (fp32 matmul of
+    the int8 operands, then dequantization)."""
+    import torch.nn.functional as F
+
+    if mode == "gpu":
+        shapes = [(m, n, k) for n, k in ((4096, 4096), (4096, 11008)) for m in (1, 32, 512)]
+    else:
+        shapes = [(m, 128, 256) for m in (1, 32, 64)]
+
+    def quantized(M, N, K, device, outliers=False):
+        g = torch.Generator().manual_seed(M + N + K)
+        x = torch.randn(M, K, generator=g).half()
+        if outliers:
+            x[:, :: max(1, K // 8)] = 8.0  # a few outlier feature columns
+        w = (torch.randn(N, K, generator=g) * 0.02).half()
+        CA, SCA, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(x, 0.0)
+        CB, SCB, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(w, 0.0)
+        return [t.to(device) for t in (x, w, CA, SCA, CB, SCB)]
+
+    for M, N, K in shapes:
+
+        def scaled(device, M=M, N=N, K=K):
+            _, _, CA, SCA, CB, SCB = quantized(M, N, K, device)
+            return lambda: torch.ops.bitsandbytes.int8_scaled_mm(CA, CB, SCA, SCB, None, torch.float16)
+
+        def step(device, M=M, N=N, K=K):
+            x, _, _, _, CB, SCB = quantized(M, N, K, device, outliers=True)
+
+            def call():
+                CA, SCA, cols = torch.ops.bitsandbytes.int8_vectorwise_quant(x, 6.0)
+                return torch.ops.bitsandbytes.int8_mixed_scaled_mm(x, CA, CB, SCA, SCB, cols, None)
+
+            return call
+
+        def fp16(device, M=M, N=N, K=K):
+            x, w, *_ = quantized(M, N, K, device)
+            return lambda: F.linear(x, w)
+
+        shape = f"M={M} {N}x{K}"
+        # bytes: the int8 weight, the int8 activations and their stats, the fp16 output
+        moved = N * K + M * K + 4 * (M + N) + 2 * M * N
+        yield Case("int8", f"int8_scaled_mm {shape}", scaled, moved, baseline=fp16, baseline_name="fp16 linear")
+        yield Case("int8", f"Linear8bitLt step (t=6.0) {shape}", step, moved + 2 * M * K, baseline=fp16,
+                   baseline_name="fp16 linear")  # fmt: skip
+
+
 #: family name -> function(mode) yielding its cases; mode is "gpu" (a Mac) or "emulated".
 FAMILIES: dict[str, Callable[[str], Iterator[Case]]] = {
     "quant": _quant_cases,
     "gemm4bit": _gemm4bit_cases,
+    "int8": _int8_cases,
 }
 
 # -- measuring on a Mac -------------------------------------------------------------------------------

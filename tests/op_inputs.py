@@ -142,20 +142,24 @@ def _int8_vectorwise_quant():
     for dtype in FLOATS:
         for threshold in (0.0, 2.0):
             yield f"{dtype}-{threshold}", [randn(17, 33, dtype=dtype, seed=11, scale=1.5), threshold]
+    yield "one-row-outliers", [randn(1, 40, dtype=torch.float16, seed=12, scale=3), 2.0]
+    yield "wide", [randn(4, 4100, dtype=torch.float16, seed=13, scale=2), 6.0]
 
 
 def _int8_vectorwise_dequant():
     A = int8_rows((9, 31))
     yield "basic", [A, randn(9, seed=12).abs() + 0.1]
+    yield "aligned-rows", [int8_rows((6, 64), seed=3), randn(6, seed=13).abs() + 0.1]
 
 
 def _int8_linear_matmul(out: bool = False):
-    for shape in ((5, 64), (2, 3, 64)):
-        A, B = int8_rows(shape, seed=13), int8_rows((24, 64), seed=14)
+    # every kernel path: gemv1 (M = 1), gemv4 (M <= 8), tile32, tile64; K % 16 == 0 or not
+    for shape, N in (((5, 64), 24), ((2, 3, 64), 24), ((1, 64), 24), ((20, 33), 40), ((40, 48), 70)):
+        A, B = int8_rows(shape, seed=13), int8_rows((N, shape[-1]), seed=14)
         args = [A, B]
         if out:
-            args.append(torch.zeros(*shape[:-1], 24, dtype=torch.int32))
-        yield f"{shape}", args
+            args.append(torch.zeros(*shape[:-1], N, dtype=torch.int32))
+        yield f"{shape}x{N}", args
 
 
 def _int8_mm_dequant():
@@ -164,6 +168,7 @@ def _int8_mm_dequant():
     for dtype in (None, torch.float16, torch.bfloat16, torch.float32):
         yield f"{dtype}", [A, rs, cs, dtype, None]
     yield "bias", [A, rs, cs, torch.float16, randn(12, dtype=torch.float16, seed=18)]
+    yield "f32-bias-bf16-out", [A, rs, cs, torch.bfloat16, randn(12, seed=19)]
 
 
 def _int8_scaled_mm():
@@ -171,6 +176,9 @@ def _int8_scaled_mm():
     rs, cs = randn(6, seed=21).abs() + 1, randn(10, seed=22).abs() + 1
     yield "plain", [A, B, rs, cs, None, None]
     yield "bias-bf16", [A, B, rs, cs, randn(10, dtype=torch.bfloat16, seed=23), torch.bfloat16]
+    yield "f32-bias-f16-out", [A, B, rs, cs, randn(10, seed=24), torch.float16]
+    A, B = int8_rows((40, 48), seed=25), int8_rows((70, 48), seed=26)
+    yield "tiled-f32", [A, B, randn(40, seed=27).abs() + 1, randn(70, seed=28).abs() + 1, None, torch.float32]
 
 
 def _int8_mixed_scaled_mm():
@@ -180,11 +188,15 @@ def _int8_mixed_scaled_mm():
     CB, SCB, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(W, 0.0)
     yield "outliers", [A, CA, CB, SCA, SCB, cols, None]
     yield "none", [A, CA, CB, SCA, SCB, None, randn(10, dtype=torch.float16, seed=26)]
+    A = randn(40, 32, dtype=torch.float16, seed=27, scale=2)
+    CA, SCA, cols = torch.ops.bitsandbytes.int8_vectorwise_quant(A, 3.0)
+    yield "tiled-outliers-bias", [A, CA, CB, SCA, SCB, cols, randn(10, dtype=torch.float16, seed=28)]
 
 
 def _int8_double_quant():
     for threshold in (0.0, 2.5):
         yield f"{threshold}", [randn(12, 20, dtype=torch.float16, seed=27, scale=1.5), threshold]
+    yield "f32-64", [randn(40, 64, seed=29, scale=1.5), 0.0]
 
 
 def _optimizer_32bit():
