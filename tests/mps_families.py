@@ -536,6 +536,88 @@ def matmul_4bit_cases(n: int) -> Iterator[Case]:
                    compare=_matmul_compare)  # fmt: skip
 
 
+# -- LLM.int8() ------------------------------------------------------------------------------------
+# n counts the activation's elements (M * K); the weight is [N, K] with a small N so that the float64
+# / int64 references stay affordable at 16 M. Codes, statistics, outlier columns and int32 products
+# must be bit-exact; dequantized outputs within what tests/test_int8_mps.py allows a GPU compiler
+# (one spacing of the dtype plus a few float32 roundings of the magnitudes involved).
+
+INT8_SHAPES = {1: (1, 1, 1), 4_096: (16, 24, 256), 1_048_576: (256, 64, 4_096), 16_777_216: (4_096, 32, 4_096)}
+
+
+def _int8_activations(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * 1.5
+    if K > 2:
+        x[:, 1] = 7.0  # outlier feature columns (|x| >= 6.0), not the first column
+        x[:, K - 1] = -9.5
+    return x.to(dtype)
+
+
+def _close_within(bound: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Any, Any, str], None]:
+    """A comparison: |got - want| <= bound(got, want) elementwise (float64), same dtype and shape."""
+
+    def compare(got: Any, want: Any, what: str = "result") -> None:
+        if want is None:
+            assert got is None, what
+            return
+        assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), f"{what}: {got.dtype} {tuple(got.shape)}"
+        err = (got.double() - want.double()).abs()
+        allowed = bound(got, want)
+        bad = err > allowed
+        assert not bad.any(), f"{what}: {int(bad.sum())} of {err.numel()} elements beyond the bound"
+
+    return compare
+
+
+def int8_cases(n: int) -> Iterator[Case]:
+    import reference_int8 as R8
+
+    M, N, K = INT8_SHAPES[n]
+    for i, (dtype, threshold) in enumerate(_grid(n, ref.DTYPES, (0.0, 6.0))):
+        A = _int8_activations(M, K, dtype, _seed("int8q", n, i))
+        yield Case(f"int8_vectorwise_quant {M}x{K} {dtype} t={threshold}", "int8_vectorwise_quant", (A, threshold),
+                   R8.int8_vectorwise_quant(A, threshold))  # fmt: skip
+        yield Case(f"int8_double_quant {M}x{K} {dtype} t={threshold}", "int8_double_quant", (A, threshold),
+                   R8.int8_double_quant(A, threshold))  # fmt: skip
+    X = _int8_activations(M, K, torch.float16, _seed("int8x", n))
+    W = _int8_activations(N, K, torch.float16, _seed("int8w", n)) * 0.05
+    CA, SCA, cols = R8.int8_vectorwise_quant(X, 6.0)
+    CB, SCB, _ = R8.int8_vectorwise_quant(W, 0.0)
+    acc = R8.int8_linear_matmul(CA, CB)
+    yield Case(f"int8_linear_matmul {M}x{N}x{K}", "int8_linear_matmul", (CA, CB), acc)
+    yield Case(f"int8_linear_matmul.out {M}x{N}x{K}", "int8_linear_matmul.out",
+               (CA, CB, torch.full((M, N), -1, dtype=torch.int32)), None, want_args={2: acc})  # fmt: skip
+    deq = R8.int8_vectorwise_dequant(CB, SCB)
+    yield Case(f"int8_vectorwise_dequant {N}x{K}", "int8_vectorwise_dequant", (CB, SCB), deq,
+               compare=_close_within(lambda g, w: 2 * R8.spacing(w, torch.float32)))  # fmt: skip
+
+    def dequant_bound(bias):
+        mag = acc.double().abs() * SCA.double()[:, None] * SCB.double()[None, :] / 16129
+        if bias is not None:
+            mag = mag + bias.double().abs()[None, :]
+        return lambda g, w: R8.spacing(w, g.dtype) + 8 * 2.0**-24 * mag
+
+    for i, (dtype, with_bias) in enumerate(_grid(n, ref.DTYPES, (False, True))):
+        bias = torch.randn(N, generator=torch.Generator().manual_seed(_seed("bias", n, i))).to(dtype) if with_bias else None
+        label = f"{M}x{N}x{K} {dtype}{' bias' if with_bias else ''}"
+        yield Case(f"int8_mm_dequant {label}", "int8_mm_dequant", (acc, SCA, SCB, dtype, bias),
+                   R8.int8_mm_dequant(acc, SCA, SCB, dtype, bias), compare=_close_within(dequant_bound(bias)))
+        yield Case(f"int8_scaled_mm {label}", "int8_scaled_mm", (CA, CB, SCA, SCB, bias, dtype),
+                   R8.int8_scaled_mm(CA, CB, SCA, SCB, bias, dtype), compare=_close_within(dequant_bound(bias)))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(_seed("mixed", n))).half()
+    want, want_sub, exact = R8.int8_mixed_scaled_mm(X, CA, CB, SCA, SCB, cols, bias)
+
+    def mixed_compare(got: Any, _want: Any, what: str = "result") -> None:
+        out, subA = got
+        assert_same_bits(subA, want_sub, f"{what}: subA")
+        allowed = R8.mixed_allowance(out, exact, X, CA, CB, SCA, SCB, cols, bias) * 2
+        assert ((out.double() - exact).abs() <= allowed).all(), f"{what}: out beyond the float32 allowance"
+
+    yield Case(f"int8_mixed_scaled_mm {M}x{N}x{K} outliers={cols.numel()}", "int8_mixed_scaled_mm",
+               (X, CA, CB, SCA, SCB, cols, bias), (want, want_sub), compare=mixed_compare)  # fmt: skip
+
+
 # -- the table --------------------------------------------------------------------------------------
 
 FAMILIES: list[Family] = [
@@ -558,6 +640,14 @@ FAMILIES: list[Family] = [
         ops=("gemm_4bit", "gemv_4bit", "gemv_4bit.out"),
         cases=matmul_4bit_cases,
         sizes=tuple(sorted(MATMUL_SHAPES)),
+        cpu_sizes=(1, 4_096),
+    ),
+    Family(
+        name="int8",
+        ops=("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_linear_matmul",
+             "int8_linear_matmul.out", "int8_mm_dequant", "int8_scaled_mm", "int8_mixed_scaled_mm"),
+        cases=int8_cases,
+        sizes=tuple(sorted(INT8_SHAPES)),
         cpu_sizes=(1, 4_096),
     ),
 ]
