@@ -91,6 +91,8 @@ struct Stack {
 
 struct Worker;
 
+uint32_t nsg_of(uint32_t lanes) { return (lanes + kSimdWidth - 1) / kSimdWidth; }
+
 struct Lane {
   Context ctx;
   bnb_emu_lane pub;
@@ -105,6 +107,10 @@ struct Lane {
   Stack* stack = nullptr;
   Worker* worker = nullptr;
   void* asan_fake = nullptr;
+  // Profiling: this lane's device accesses since its simdgroup last synchronised (one key per
+  // access, see WorkerProfile), and whether the shim has muted its instrumented accesses.
+  std::vector<uint64_t> accesses;
+  int muted = 0;
 };
 
 // A fault as recorded where it happens (possibly in a signal handler: no allocation there).
@@ -134,6 +140,89 @@ struct Binding {
   size_t size = 0;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Profiling: one worker's counts for a profiled dispatch (merged by launch() at the end).
+//
+// Every device access of a lane is recorded into its counted binding: bytes by kind, a bitmap of
+// the bytes touched (unique bytes and lines, after merging the workers' bitmaps), a per-line stamp
+// of the last threadgroup that touched the line (lines summed over threadgroups), and a key
+// appended to the lane's access list. When the lanes of a simdgroup synchronise (a SIMD-group
+// collective, a threadgroup barrier, the end of the threadgroup), the lists are flushed: the k-th
+// entries of the lanes form the k-th SIMD-group memory instruction since the last synchronisation,
+// whose transactions are the distinct lines its lanes touch.
+
+// Access keys: buffer slot in bits 56..63, extra lines spanned in bits 48..55, first line below.
+constexpr int kKeySlotShift = 56, kKeySpanShift = 48;
+constexpr uint64_t kKeyLineMask = (uint64_t(1) << kKeySpanShift) - 1;
+
+struct BufferState {
+  int binding = 0;
+  uintptr_t lo = 0;
+  size_t size = 0;
+  uint32_t offset = 0;
+  BufferTraffic t;
+  std::vector<uint64_t> touched;  // bit per byte
+  std::vector<uint32_t> stamp;    // per line: token of the last threadgroup that touched it
+};
+
+struct WorkerProfile {
+  std::vector<BufferState> bufs;  // the counted bindings, in binding order
+  uintptr_t lo = UINTPTR_MAX, hi = 0;
+  uint32_t line_bytes = 128;
+  uint32_t token = 0;          // the running threadgroup (1, 2, ... on this worker)
+  uint64_t group_barriers = 0;
+  ProfileResult r;             // the scalar counters (buffers stay in bufs)
+  std::vector<uint64_t> distinct;
+
+  void record(std::vector<uint64_t>& list, uintptr_t a, size_t n, int kind) {
+    if (a < lo || a >= hi) return;
+    for (size_t slot = 0; slot < bufs.size(); ++slot) {
+      BufferState& b = bufs[slot];
+      size_t off = size_t(a - b.lo);
+      if (a < b.lo || off >= b.size) continue;
+      size_t m = std::min(n, b.size - off);
+      if (kind == BNB_EMU_PROFILE_STORE)
+        b.t.store_bytes += n;
+      else if (kind == BNB_EMU_PROFILE_ATOMIC)
+        b.t.atomic_bytes += n;
+      else
+        b.t.load_bytes += n;
+      ++b.t.accesses;
+      for (size_t i = off; i < off + m; ++i) b.touched[i >> 6] |= uint64_t(1) << (i & 63);
+      uint64_t first = (off + b.offset) / line_bytes, last = (off + m - 1 + b.offset) / line_bytes;
+      for (uint64_t line = first; line <= last; ++line)
+        if (b.stamp[line] != token) {
+          b.stamp[line] = token;
+          ++b.t.lines_summed;
+        }
+      uint64_t span = std::min<uint64_t>(last - first, 255);
+      list.push_back((uint64_t(slot) << kKeySlotShift) | (span << kKeySpanShift) | first);
+      return;
+    }
+  }
+
+  // The k-th entries of the lanes' lists are one SIMD-group memory instruction.
+  void flush(Lane* lanes, uint32_t count) {
+    size_t k_max = 0;
+    for (uint32_t i = 0; i < count; ++i) k_max = std::max(k_max, lanes[i].accesses.size());
+    for (size_t k = 0; k < k_max; ++k) {
+      distinct.clear();
+      for (uint32_t i = 0; i < count; ++i) {
+        const std::vector<uint64_t>& list = lanes[i].accesses;
+        if (k >= list.size()) continue;
+        uint64_t key = list[k], span = (key >> kKeySpanShift) & 0xFF;
+        uint64_t line = (key & ~(uint64_t(0xFF) << kKeySpanShift));
+        for (uint64_t j = 0; j <= span; ++j)
+          if (std::find(distinct.begin(), distinct.end(), line + j) == distinct.end()) distinct.push_back(line + j);
+      }
+      ++r.instructions;
+      r.transactions += distinct.size();
+      for (uint64_t key : distinct) ++bufs[size_t(key >> kKeySlotShift)].t.transactions;
+    }
+    for (uint32_t i = 0; i < count; ++i) lanes[i].accesses.clear();
+  }
+};
+
 struct Dispatch {
   const LaunchRequest* req = nullptr;
   std::vector<Binding> bindings;
@@ -147,6 +236,9 @@ struct Dispatch {
   bool have_fault = false;
   RawFault fault;
   std::string kernel_message_suffix;
+  // Profiling: one slot per worker, claimed when the worker joins the dispatch.
+  std::vector<std::unique_ptr<WorkerProfile>> profiles;
+  std::atomic<size_t> next_profile{0};
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -204,6 +296,7 @@ struct Worker {
   void* altstack = nullptr;
   void* asan_sched_bottom = nullptr;
   size_t asan_sched_size = 0;
+  WorkerProfile* prof = nullptr;  // set for profiled dispatches
 
   Worker() {
     arena = static_cast<unsigned char*>(std::aligned_alloc(64, kMaxThreadgroupMemory));
@@ -214,6 +307,8 @@ struct Worker {
   void resume(Lane& l);
   bool resolve();
   void race_diff(Lane& l);
+  void profile_flush(uint32_t sg);
+  void profile_group_done();
   void fault_from_scheduler(int kind, const Lane* l, const char* file, int line, const char* fmt, ...)
       __attribute__((format(printf, 6, 7)));
 };
@@ -410,10 +505,32 @@ void rt_threadgroup_access(const void* p, size_t n, int kind, const char* file, 
   }
 }
 
+void rt_profile_access(const void* p, size_t n, int kind) {
+  Worker* w = t_worker;
+  if (!w || !w->prof) return;
+  Lane* l = w->current;
+  if (!l || (l->muted > 0 && !(kind & BNB_EMU_PROFILE_FORCED))) return;
+  kind &= BNB_EMU_PROFILE_KIND_MASK;
+  auto a = reinterpret_cast<uintptr_t>(p), arena = reinterpret_cast<uintptr_t>(w->arena);
+  if (a >= arena && a < arena + w->arena_used) {
+    ProfileResult& r = w->prof->r;
+    (kind == BNB_EMU_PROFILE_STORE ? r.threadgroup_store_bytes
+                                   : kind == BNB_EMU_PROFILE_ATOMIC ? r.threadgroup_atomic_bytes : r.threadgroup_load_bytes) += n;
+    return;
+  }
+  w->prof->record(l->accesses, a, n, kind);
+}
+
+void rt_profile_mute(int on) {
+  Worker* w = t_worker;
+  if (w && w->current) w->current->muted += on ? 1 : -1;
+}
+
 const bnb_emu_runtime g_table = {
     BNB_EMU_ABI_VERSION,  rt_lane,    rt_buffer,
     rt_threadgroup_alloc, rt_barrier, rt_simd_collective,
-    rt_threadgroup_access, rt_fail,
+    rt_threadgroup_access, rt_fail, rt_profile_access,
+    rt_profile_mute,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -503,6 +620,21 @@ void Worker::fault_from_scheduler(int kind, const Lane* l, const char* file, int
     pending.lane = l->pub;
   }
   has_pending = true;
+}
+
+void Worker::profile_flush(uint32_t sg) {
+  uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+  prof->flush(&lanes[lo], hi - lo);
+}
+
+void Worker::profile_group_done() {
+  for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg) profile_flush(sg);
+  ProfileResult& r = prof->r;
+  ++r.threadgroups;
+  r.threads += nlanes;
+  r.barriers += prof->group_barriers;
+  r.barriers_max = std::max(r.barriers_max, prof->group_barriers);
+  r.threadgroup_memory_max = std::max<uint64_t>(r.threadgroup_memory_max, arena_used);
 }
 
 void Worker::resume(Lane& l) {
@@ -608,6 +740,10 @@ bool Worker::resolve() {
                            where(barrier->file, barrier->line).c_str());
       return false;
     }
+    if (prof) {
+      profile_flush(sg);
+      ++prof->r.collectives;
+    }
     if (first->resolver) first->resolver(ops, res, mask);
     for (uint32_t i = lo; i < hi; ++i)
       if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
@@ -647,6 +783,10 @@ bool Worker::resolve() {
                          "threadgroup has already returned (%s)",
                          where(first->file, first->line).c_str(), pos);
     return false;
+  }
+  if (prof) {
+    for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg) profile_flush(sg);
+    ++prof->group_barriers;
   }
   for (uint32_t i = 0; i < nlanes; ++i)
     if (lanes[i].state == AT_BARRIER) lanes[i].state = RUNNABLE;
@@ -699,6 +839,8 @@ bool Worker::run_group(uint64_t linear) {
     p.threads_per_simdgroup = kSimdWidth;
     p.simdgroups_per_threadgroup = nsg;
     p.lanes_in_simdgroup = std::min(kSimdWidth, nlanes - (i / kSimdWidth) * kSimdWidth);
+    l.accesses.clear();
+    l.muted = 0;
     // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
     // unstaggered tops would all compete for the same few cache sets.
 #if BNB_EMU_ASAN
@@ -717,6 +859,10 @@ bool Worker::run_group(uint64_t linear) {
   order.resize(nlanes);
   for (uint32_t i = 0; i < nlanes; ++i) order[i] = q.order == LaneOrder::Reverse ? nlanes - 1 - i : i;
   rng = q.seed * 0x2545F4914F6CDD1Dull + linear;
+  if (prof) {
+    ++prof->token;
+    prof->group_barriers = 0;
+  }
 
   for (;;) {
     if (q.order == LaneOrder::Random)
@@ -732,7 +878,10 @@ bool Worker::run_group(uint64_t linear) {
     if (!any) {
       bool all_done = true;
       for (uint32_t i = 0; i < nlanes && all_done; ++i) all_done = lanes[i].state == DONE;
-      if (all_done) return true;
+      if (all_done) {
+        if (prof) profile_group_done();
+        return true;
+      }
     }
     if (!resolve()) return false;
   }
@@ -781,6 +930,11 @@ class Pool {
         d = job_;
       }
       w.d = d;
+      w.prof = nullptr;
+      if (d->req->profiling) {
+        size_t slot = d->next_profile.fetch_add(1);
+        if (slot < d->profiles.size()) w.prof = d->profiles[slot].get();
+      }
       for (;;) {
         if (d->failed.load(std::memory_order_relaxed)) break;
         uint64_t i = d->next.fetch_add(1, std::memory_order_relaxed);
@@ -797,6 +951,7 @@ class Pool {
         }
       }
       w.d = nullptr;
+      w.prof = nullptr;
       {
         std::lock_guard<std::mutex> lk(mu_);
         if (--active_ == 0) done_cv_.notify_all();
@@ -941,6 +1096,82 @@ bool bind_buffers(const LaunchRequest& q, Dispatch& d, GuardedMemory& gm, bool a
   return true;
 }
 
+// One worker's profile state for dispatch `d` (buffers bound, request validated).
+std::unique_ptr<WorkerProfile> make_profile(const LaunchRequest& q, const Dispatch& d) {
+  auto p = std::make_unique<WorkerProfile>();
+  p->line_bytes = q.line_bytes;
+  for (size_t i = 0; i < q.profile.size() && i < d.bindings.size(); ++i) {
+    const Binding& b = d.bindings[i];
+    if (!q.profile[i].counted || b.size == 0) continue;
+    BufferState s;
+    s.binding = int(i);
+    s.lo = reinterpret_cast<uintptr_t>(b.dev);
+    s.size = b.size;
+    s.offset = q.profile[i].line_offset % q.line_bytes;
+    s.touched.assign((b.size + 63) / 64, 0);
+    s.stamp.assign((b.size + s.offset + q.line_bytes - 1) / q.line_bytes + 1, 0);
+    p->lo = std::min(p->lo, s.lo);
+    p->hi = std::max(p->hi, s.lo + s.size);
+    p->bufs.push_back(std::move(s));
+  }
+  return p;
+}
+
+// Lines of `line_bytes` holding at least one set bit of `touched` (bytes shifted by `offset`).
+uint64_t lines_touched(const std::vector<uint64_t>& touched, size_t size, uint32_t offset, uint32_t line_bytes) {
+  uint64_t lines = 0;
+  size_t b = 0;
+  while (b < size) {
+    size_t w = b >> 6;
+    uint64_t bits = touched[w] & (~uint64_t(0) << (b & 63));
+    while (!bits && ++w < touched.size()) bits = touched[w];
+    if (!bits) break;
+    size_t hit = (w << 6) + size_t(__builtin_ctzll(bits));
+    if (hit >= size) break;
+    ++lines;
+    b = ((hit + offset) / line_bytes + 1) * line_bytes - offset;  // first byte of the next line
+  }
+  return lines;
+}
+
+ProfileResult merge_profiles(const LaunchRequest& q, const Dispatch& d) {
+  ProfileResult out;
+  out.buffers.assign(q.buffers.size(), BufferTraffic{});
+  std::vector<uint64_t> touched;
+  for (size_t slot = 0; d.profiles.size() && slot < d.profiles[0]->bufs.size(); ++slot) {
+    const BufferState& first = d.profiles[0]->bufs[slot];
+    BufferTraffic& t = out.buffers[size_t(first.binding)];
+    touched.assign(first.touched.size(), 0);
+    for (const auto& p : d.profiles) {
+      const BufferState& b = p->bufs[slot];
+      t.load_bytes += b.t.load_bytes;
+      t.store_bytes += b.t.store_bytes;
+      t.atomic_bytes += b.t.atomic_bytes;
+      t.accesses += b.t.accesses;
+      t.lines_summed += b.t.lines_summed;
+      t.transactions += b.t.transactions;
+      for (size_t i = 0; i < touched.size(); ++i) touched[i] |= b.touched[i];
+    }
+    for (uint64_t word : touched) t.unique_bytes += uint64_t(__builtin_popcountll(word));
+    t.lines = lines_touched(touched, first.size, first.offset, q.line_bytes);
+  }
+  for (const auto& p : d.profiles) {
+    const ProfileResult& r = p->r;
+    out.instructions += r.instructions;
+    out.transactions += r.transactions;
+    out.threadgroups += r.threadgroups;
+    out.threads += r.threads;
+    out.barriers += r.barriers;
+    out.barriers_max = std::max(out.barriers_max, r.barriers_max);
+    out.collectives += r.collectives;
+    out.threadgroup_memory_max = std::max(out.threadgroup_memory_max, r.threadgroup_memory_max);
+    out.threadgroup_load_bytes += r.threadgroup_load_bytes;
+    out.threadgroup_store_bytes += r.threadgroup_store_bytes;
+    out.threadgroup_atomic_bytes += r.threadgroup_atomic_bytes;
+  }
+  return out;
+}
+
 std::string args_text(const std::vector<int>& args) {
   std::string s;
   for (size_t i = 0; i < args.size(); ++i) s += (i ? ", " : "") + std::string("buffer(") + std::to_string(args[i]) + ")";
@@ -980,6 +1211,14 @@ LaunchResult launch(const LaunchRequest& q) {
     return fail(BNB_EMU_LIMIT_EXCEEDED, "threadgroup of " + std::to_string(per_group) +
                                             " threads exceeds the Metal limit of 1024 threads per threadgroup");
   uint64_t groups = uint64_t(q.groups[0]) * q.groups[1] * q.groups[2];
+  if (q.profiling) {
+    if (q.line_bytes < 16 || (q.line_bytes & (q.line_bytes - 1)))
+      return fail(BNB_EMU_KERNEL_ERROR, "profile line size must be a power of two >= 16");
+    if (q.profile.size() != q.buffers.size())
+      return fail(BNB_EMU_KERNEL_ERROR, "profile: one entry per buffer expected");
+    if (q.buffers.size() > 255) return fail(BNB_EMU_KERNEL_ERROR, "profile: at most 255 buffers");
+    res.profile.buffers.assign(q.buffers.size(), BufferTraffic{});
+  }
   if (groups == 0) return res;
 
   for (bool aligned : {false, true}) {
@@ -993,6 +1232,8 @@ LaunchResult launch(const LaunchRequest& q) {
     GuardedMemory gm;
     std::string err;
     if (!bind_buffers(q, d, gm, aligned, err)) return fail(BNB_EMU_KERNEL_ERROR, err);
+    if (q.profiling)
+      for (unsigned i = 0; i < pool().size(); ++i) d.profiles.push_back(make_profile(q, d));
     install_handlers();
     pool().run(&d);
     if (d.have_fault) {
@@ -1052,6 +1293,7 @@ LaunchResult launch(const LaunchRequest& q) {
     }
     for (const auto& r : gm.regions)
       if (r.writable && r.size) std::memcpy(reinterpret_cast<void*>(r.host), r.dev, r.size);
+    if (q.profiling) res.profile = merge_profiles(q, d);
     return res;
   }
   return res;
