@@ -27,11 +27,11 @@ from .errors import (
 )
 from .harness import NondeterministicOutput, run_checked
 from .library import Library, load
-from .profile import LINE_BYTES, BufferTraffic, Estimate, KernelProfile
+from .profile import LINE_BYTES, BufferTraffic, Estimate, KernelProfile, summarize
 from .prepass import PrepassError, translate
 
 __all__ = [
     "BarrierDivergence", "BufferTraffic", "CompileError", "DivergentCollective", "EmulatorError", "Estimate",
     "KernelError", "KernelProfile", "LINE_BYTES", "LimitExceeded", "Library", "MemoryFault", "NondeterministicOutput", "OutOfBounds", "PrepassError", "RaceDetected", "StackOverflow", "UnboundBuffer",
-    "find_compiler", "load", "run_checked", "translate",
+    "find_compiler", "load", "run_checked", "summarize", "translate",
 ]

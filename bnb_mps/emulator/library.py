@@ -209,13 +209,16 @@ class Library:
         a view starts `storage_offset * element_size` bytes into it.
 
         SIMD-group memory instructions: the lanes of a simdgroup run one after another here, so an
-        instruction is reconstructed as the k-th device access of each lane of the simdgroup that
-        made a k-th access, counting from the simdgroup's last synchronisation (a SIMD-group
-        collective, a threadgroup barrier). In uniform control flow this is exactly the hardware's
-        instruction; its transactions are the distinct lines its lanes touch. Divergent control flow
-        is approximated: lanes on different paths between two synchronisations are paired by their
-        access count, not by the instruction, so a branch taken by some lanes shifts their later
-        accesses against the others' until the next synchronisation (where the count restarts).
+        instruction is reconstructed from each lane's sequence of accesses since the simdgroup last
+        synchronised (a SIMD-group collective, a threadgroup barrier): the n-th access of each lane
+        to one buffer with one kind (load, store, atomic) is one instruction, and its transactions
+        are the distinct lines its lanes touch. In uniform control flow this is exactly the k-th
+        device access of each active lane, the instruction the hardware issues. Divergent control
+        flow is approximated: a lane's accesses made on a path the others do not take are paired
+        with the others' accesses to the same buffer and kind by their count (so `if (lane == 0)
+        absmax[b] = m;` is an instruction of its own and shifts nothing else, while two paths that
+        load one buffer a different number of times are paired load by load), and the count
+        restarts at every synchronisation.
         Accesses the compiler removes (loads hoisted out of loops, repeated loads of one address)
         are not counted, as on the GPU, whose compiler does the same; copies the compiler turns into
         memcpy calls of aggregates larger than 16 bytes are not seen.

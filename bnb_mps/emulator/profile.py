@@ -329,3 +329,32 @@ def _seconds(t: float) -> str:
     if t >= 1e-6:
         return f"{t * 1e6:.2f} us"
     return f"{t * 1e9:.0f} ns"
+
+
+def summarize(profiles: Sequence[KernelProfile], required_bytes: Optional[int] = None,
+              chip_names: Iterable[str] = SHOWN_CHIPS) -> dict:
+    """Totals over the launches of one operation (e.g. the profiles recorded by
+    `bnb_mps.testing.use_emulated_kernels(profile=True)` for one op call): traffic adds up, and so
+    do the launches' estimated times (each launch's largest traffic term at peak bandwidth)."""
+    from .. import chips
+
+    def total(attr: str):
+        return sum(getattr(p, attr) for p in profiles)
+
+    transactions, ideal = total("simd_transactions"), total("simd_transactions_ideal")
+    traffic = total("traffic_bytes")
+    table = chips.peak_bandwidths()
+    return {
+        "kernels": [p.kernel for p in profiles],
+        "bytes_requested": total("bytes_requested"),
+        "unique_bytes": total("unique_bytes"),
+        "lines": total("lines"),
+        "lines_summed_over_threadgroups": total("lines_summed_over_threadgroups"),
+        "simd_transactions": transactions,
+        "simd_transactions_ideal": ideal,
+        "coalescing_efficiency": ideal / transactions if transactions else None,
+        "traffic_bytes": traffic,
+        "required_bytes": required_bytes,
+        "traffic_efficiency": required_bytes / traffic if required_bytes is not None and traffic else None,
+        "estimated_time_s": {c: traffic / (table[c] * 1e9) for c in chip_names},
+    }

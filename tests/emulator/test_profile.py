@@ -175,6 +175,18 @@ def test_instruction_count_restarts_at_synchronisation(lib):
     assert p.simd_transactions == 3 * 2
 
 
+def test_single_lane_access_is_its_own_instruction(lib):
+    tg, groups = 128, 2
+    sgs = tg * groups // 32
+    head, y = torch.zeros(sgs), torch.zeros(tg * groups)
+    p = lib.profile("lane0_then_all", grid=groups, threadgroup=tg, args=[head, y])
+    assert torch.equal(head, torch.arange(0, tg * groups, 32, dtype=torch.float32))
+    # Per simdgroup: lane 0's store into `head` (one line), then the 32 lanes' store into y (one
+    # line); lane 0's extra store does not shift its y store into another instruction.
+    assert p.simd_instructions == 2 * sgs
+    assert p.buffers[0].transactions == sgs and p.buffers[1].transactions == sgs
+
+
 def test_simdgroup_matrix_load_moves_the_tile_once(lib):
     cols, groups = 32, 4  # rows of 32 floats: each of the tile's 8 rows is in its own line
     a = torch.randn(8, cols)

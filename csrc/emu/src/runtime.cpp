@@ -147,12 +147,17 @@ struct Binding {
 // the bytes touched (unique bytes and lines, after merging the workers' bitmaps), a per-line stamp
 // of the last threadgroup that touched the line (lines summed over threadgroups), and a key
 // appended to the lane's access list. When the lanes of a simdgroup synchronise (a SIMD-group
-// collective, a threadgroup barrier, the end of the threadgroup), the lists are flushed: the k-th
-// entries of the lanes form the k-th SIMD-group memory instruction since the last synchronisation,
-// whose transactions are the distinct lines its lanes touch.
+// collective, a threadgroup barrier, the end of the threadgroup), the lists are flushed into
+// SIMD-group memory instructions: the n-th access of each lane to one buffer with one kind (load,
+// store, atomic) since the last synchronisation. In uniform control flow that is the k-th access
+// of each lane, the instruction the hardware issues; in divergent code it keeps a lane's extra
+// access (`if (lane == 0) absmax[b] = m;`) from shifting the pairing of the other buffers'
+// accesses, and it does not depend on how the compiler laid out the code. An instruction's
+// transactions are the distinct lines its lanes touch.
 
-// Access keys: buffer slot in bits 56..63, extra lines spanned in bits 48..55, first line below.
-constexpr int kKeySlotShift = 56, kKeySpanShift = 48;
+// Access keys: buffer slot in bits 56..63, kind in 54..55, extra lines spanned in 48..53, first
+// line in 0..47.
+constexpr int kKeySlotShift = 56, kKeyKindShift = 54, kKeySpanShift = 48;
 constexpr uint64_t kKeyLineMask = (uint64_t(1) << kKeySpanShift) - 1;
 
 struct BufferState {
@@ -172,7 +177,9 @@ struct WorkerProfile {
   uint32_t token = 0;          // the running threadgroup (1, 2, ... on this worker)
   uint64_t group_barriers = 0;
   ProfileResult r;             // the scalar counters (buffers stay in bufs)
-  std::vector<uint64_t> distinct;
+  // Scratch for flush: (instruction, line) pairs and per-(buffer, kind) access counters.
+  std::vector<std::pair<uint64_t, uint64_t>> entries;
+  std::vector<uint64_t> counters;
 
   void record(std::vector<uint64_t>& list, uintptr_t a, size_t n, int kind) {
     if (a < lo || a >= hi) return;
@@ -195,31 +202,38 @@ struct WorkerProfile {
           b.stamp[line] = token;
           ++b.t.lines_summed;
         }
-      uint64_t span = std::min<uint64_t>(last - first, 255);
-      list.push_back((uint64_t(slot) << kKeySlotShift) | (span << kKeySpanShift) | first);
+      uint64_t span = std::min<uint64_t>(last - first, 63);
+      list.push_back((uint64_t(slot) << kKeySlotShift) | (uint64_t(kind) << kKeyKindShift) |
+                     (span << kKeySpanShift) | first);
       return;
     }
   }
 
-  // The k-th entries of the lanes' lists are one SIMD-group memory instruction.
+  // Turns the access lists of a simdgroup's lanes into SIMD-group memory instructions.
   void flush(Lane* lanes, uint32_t count) {
-    size_t k_max = 0;
-    for (uint32_t i = 0; i < count; ++i) k_max = std::max(k_max, lanes[i].accesses.size());
-    for (size_t k = 0; k < k_max; ++k) {
-      distinct.clear();
-      for (uint32_t i = 0; i < count; ++i) {
-        const std::vector<uint64_t>& list = lanes[i].accesses;
-        if (k >= list.size()) continue;
-        uint64_t key = list[k], span = (key >> kKeySpanShift) & 0xFF;
-        uint64_t line = (key & ~(uint64_t(0xFF) << kKeySpanShift));
-        for (uint64_t j = 0; j <= span; ++j)
-          if (std::find(distinct.begin(), distinct.end(), line + j) == distinct.end()) distinct.push_back(line + j);
+    entries.clear();
+    for (uint32_t i = 0; i < count; ++i) {
+      std::vector<uint64_t>& list = lanes[i].accesses;
+      if (list.empty()) continue;
+      counters.assign(bufs.size() * 4, 0);
+      for (uint64_t key : list) {
+        uint64_t slot_kind = key >> kKeyKindShift;  // slot * 4 + kind
+        uint64_t instruction = (slot_kind << 40) | counters[slot_kind]++;
+        uint64_t span = (key >> kKeySpanShift) & 0x3F, line = key & kKeyLineMask;
+        for (uint64_t j = 0; j <= span; ++j) entries.emplace_back(instruction, line + j);
       }
-      ++r.instructions;
-      r.transactions += distinct.size();
-      for (uint64_t key : distinct) ++bufs[size_t(key >> kKeySlotShift)].t.transactions;
+      list.clear();
     }
-    for (uint32_t i = 0; i < count; ++i) lanes[i].accesses.clear();
+    if (entries.empty()) return;
+    std::sort(entries.begin(), entries.end());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      bool new_instruction = i == 0 || entries[i].first != entries[i - 1].first;
+      if (new_instruction) ++r.instructions;
+      if (new_instruction || entries[i].second != entries[i - 1].second) {
+        ++r.transactions;
+        ++bufs[size_t(entries[i].first >> 42)].t.transactions;
+      }
+    }
   }
 };
 

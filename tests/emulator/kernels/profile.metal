@@ -117,3 +117,12 @@ kernel void matrix_load(device const float* a [[buffer(0)]], device float* y [[b
 kernel void atomic_count(device atomic_uint* counter [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
     atomic_fetch_add_explicit(counter, 1u, memory_order_relaxed);
 }
+
+// Lane 0 of each simdgroup writes one value (divergent), then every lane writes its own.
+kernel void lane0_then_all(device float* head [[buffer(0)]], device float* y [[buffer(1)]],
+                           uint gid [[thread_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+    if (lane == 0u) {
+        head[gid / 32u] = float(gid);
+    }
+    y[gid] = float(lane);
+}
