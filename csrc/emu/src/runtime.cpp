@@ -173,13 +173,13 @@ struct BufferState {
 struct WorkerProfile {
   std::vector<BufferState> bufs;  // the counted bindings, in binding order
   uintptr_t lo = UINTPTR_MAX, hi = 0;
-  uint32_t line_bytes = 128;
+  uint32_t line_bytes = 128, line_shift = 7;
   uint32_t token = 0;          // the running threadgroup (1, 2, ... on this worker)
   uint64_t group_barriers = 0;
   ProfileResult r;             // the scalar counters (buffers stay in bufs)
-  // Scratch for flush: (instruction, line) pairs and per-(buffer, kind) access counters.
-  std::vector<std::pair<uint64_t, uint64_t>> entries;
-  std::vector<uint64_t> counters;
+  // Scratch for flush.
+  std::vector<uint64_t> counters, max_count, base, buckets, distinct;
+  std::vector<uint32_t> fill;
 
   void record(std::vector<uint64_t>& list, uintptr_t a, size_t n, int kind) {
     if (a < lo || a >= hi) return;
@@ -195,8 +195,12 @@ struct WorkerProfile {
       else
         b.t.load_bytes += n;
       ++b.t.accesses;
-      for (size_t i = off; i < off + m; ++i) b.touched[i >> 6] |= uint64_t(1) << (i & 63);
-      uint64_t first = (off + b.offset) / line_bytes, last = (off + m - 1 + b.offset) / line_bytes;
+      for (size_t i = off, end = off + m; i < end;) {  // set bits [off, off + m), a word at a time
+        size_t bit = i & 63, count = std::min<size_t>(64 - bit, end - i);
+        b.touched[i >> 6] |= (count == 64 ? ~uint64_t(0) : ((uint64_t(1) << count) - 1)) << bit;
+        i += count;
+      }
+      uint64_t first = (off + b.offset) >> line_shift, last = (off + m - 1 + b.offset) >> line_shift;
       for (uint64_t line = first; line <= last; ++line)
         if (b.stamp[line] != token) {
           b.stamp[line] = token;
@@ -209,30 +213,52 @@ struct WorkerProfile {
     }
   }
 
-  // Turns the access lists of a simdgroup's lanes into SIMD-group memory instructions.
+  // Turns the access lists of a simdgroup's lanes into SIMD-group memory instructions: the n-th
+  // access of each lane with one (buffer, kind) is instruction base[(buffer, kind)] + n, which
+  // holds at most one access per lane (a bucket of kSimdWidth keys).
   void flush(Lane* lanes, uint32_t count) {
-    entries.clear();
+    const size_t kinds = bufs.size() * 4;
+    max_count.assign(kinds, 0);
+    bool any = false;
+    for (uint32_t i = 0; i < count; ++i) {
+      const std::vector<uint64_t>& list = lanes[i].accesses;
+      if (list.empty()) continue;
+      any = true;
+      counters.assign(kinds, 0);
+      for (uint64_t key : list) ++counters[key >> kKeyKindShift];
+      for (size_t k = 0; k < kinds; ++k) max_count[k] = std::max(max_count[k], counters[k]);
+    }
+    if (!any) return;
+    base.resize(kinds);
+    size_t instructions = 0;
+    for (size_t k = 0; k < kinds; ++k) {
+      base[k] = instructions;
+      instructions += max_count[k];
+    }
+    fill.assign(instructions, 0);
+    buckets.resize(instructions * kSimdWidth);
     for (uint32_t i = 0; i < count; ++i) {
       std::vector<uint64_t>& list = lanes[i].accesses;
       if (list.empty()) continue;
-      counters.assign(bufs.size() * 4, 0);
+      counters.assign(kinds, 0);
       for (uint64_t key : list) {
-        uint64_t slot_kind = key >> kKeyKindShift;  // slot * 4 + kind
-        uint64_t instruction = (slot_kind << 40) | counters[slot_kind]++;
-        uint64_t span = (key >> kKeySpanShift) & 0x3F, line = key & kKeyLineMask;
-        for (uint64_t j = 0; j <= span; ++j) entries.emplace_back(instruction, line + j);
+        uint64_t k = key >> kKeyKindShift, ins = base[k] + counters[k]++;
+        buckets[ins * kSimdWidth + fill[ins]++] = key;
       }
       list.clear();
     }
-    if (entries.empty()) return;
-    std::sort(entries.begin(), entries.end());
-    for (size_t i = 0; i < entries.size(); ++i) {
-      bool new_instruction = i == 0 || entries[i].first != entries[i - 1].first;
-      if (new_instruction) ++r.instructions;
-      if (new_instruction || entries[i].second != entries[i - 1].second) {
-        ++r.transactions;
-        ++bufs[size_t(entries[i].first >> 42)].t.transactions;
+    for (size_t ins = 0; ins < instructions; ++ins) {
+      if (!fill[ins]) continue;
+      ++r.instructions;
+      const uint64_t* keys = &buckets[ins * kSimdWidth];
+      distinct.clear();
+      for (uint32_t j = 0; j < fill[ins]; ++j) {
+        uint64_t span = (keys[j] >> kKeySpanShift) & 0x3F, line = keys[j] & kKeyLineMask;
+        for (uint64_t l = line; l <= line + span; ++l)
+          if (std::find(distinct.begin(), distinct.end(), l) == distinct.end()) distinct.push_back(l);
       }
+      r.transactions += distinct.size();
+      bufs[size_t(keys[0] >> kKeySlotShift)].t.transactions += distinct.size();
     }
   }
 };
@@ -312,10 +338,9 @@ struct Worker {
   size_t asan_sched_size = 0;
   WorkerProfile* prof = nullptr;  // set for profiled dispatches
 
-  Worker() {
-    arena = static_cast<unsigned char*>(std::aligned_alloc(64, kMaxThreadgroupMemory));
-  }
-  ~Worker() { std::free(arena); }
+  // `arena`: this worker's kMaxThreadgroupMemory bytes of threadgroup memory (owned by the pool,
+  // which keeps all workers' arenas in one block: one range for the profiler's window).
+  explicit Worker(unsigned char* threadgroup_memory) : arena(threadgroup_memory) {}
 
   bool run_group(uint64_t linear);
   void resume(Lane& l);
@@ -540,11 +565,14 @@ void rt_profile_mute(int on) {
   if (w && w->current) w->current->muted += on ? 1 : -1;
 }
 
+// The profiler's window (bnb_emu_profile_window), set by Pool::run for the dispatch it runs.
+volatile bnb_emu_profile_window g_window = {0, 0, 0, 0};
+
 const bnb_emu_runtime g_table = {
     BNB_EMU_ABI_VERSION,  rt_lane,    rt_buffer,
     rt_threadgroup_alloc, rt_barrier, rt_simd_collective,
     rt_threadgroup_access, rt_fail, rt_profile_access,
-    rt_profile_mute,
+    rt_profile_mute,      &g_window,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -907,12 +935,20 @@ bool Worker::run_group(uint64_t linear) {
 class Pool {
  public:
   explicit Pool(unsigned n) {
-    for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { loop(); });
+    arenas_ = static_cast<unsigned char*>(std::aligned_alloc(64, n * kMaxThreadgroupMemory));
+    for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this, i] { loop(arenas_ + i * kMaxThreadgroupMemory); });
   }
   unsigned size() const { return unsigned(threads_.size()); }
+  uintptr_t arenas() const { return reinterpret_cast<uintptr_t>(arenas_); }
 
-  void run(Dispatch* d) {
+  void run(Dispatch* d, const bnb_emu_profile_window* window) {
     std::lock_guard<std::mutex> serial(run_mu_);
+    if (window) {
+      g_window.buffers_lo = window->buffers_lo;
+      g_window.buffers_size = window->buffers_size;
+      g_window.threadgroup_lo = window->threadgroup_lo;
+      g_window.threadgroup_size = window->threadgroup_size;
+    }
     std::unique_lock<std::mutex> lk(mu_);
     job_ = d;
     active_ = size();
@@ -920,11 +956,13 @@ class Pool {
     cv_.notify_all();
     done_cv_.wait(lk, [&] { return active_ == 0; });
     job_ = nullptr;
+    g_window.buffers_size = 0;
+    g_window.threadgroup_size = 0;
   }
 
  private:
-  void loop() {
-    Worker w;
+  void loop(unsigned char* arena) {
+    Worker w(arena);
     t_worker = &w;
     // Alternate signal stack: a lane that overflows its stack faults with no stack left.
     size_t alt = 256 * 1024;
@@ -979,6 +1017,7 @@ class Pool {
   Dispatch* job_ = nullptr;
   unsigned active_ = 0;
   uint64_t generation_ = 0;
+  unsigned char* arenas_ = nullptr;  // never freed, like the pool
 };
 
 Pool& pool() {
@@ -1114,6 +1153,7 @@ bool bind_buffers(const LaunchRequest& q, Dispatch& d, GuardedMemory& gm, bool a
 std::unique_ptr<WorkerProfile> make_profile(const LaunchRequest& q, const Dispatch& d) {
   auto p = std::make_unique<WorkerProfile>();
   p->line_bytes = q.line_bytes;
+  p->line_shift = uint32_t(__builtin_ctz(q.line_bytes));
   for (size_t i = 0; i < q.profile.size() && i < d.bindings.size(); ++i) {
     const Binding& b = d.bindings[i];
     if (!q.profile[i].counted || b.size == 0) continue;
@@ -1246,10 +1286,19 @@ LaunchResult launch(const LaunchRequest& q) {
     GuardedMemory gm;
     std::string err;
     if (!bind_buffers(q, d, gm, aligned, err)) return fail(BNB_EMU_KERNEL_ERROR, err);
-    if (q.profiling)
+    bnb_emu_profile_window window{0, 0, 0, 0};
+    if (q.profiling) {
       for (unsigned i = 0; i < pool().size(); ++i) d.profiles.push_back(make_profile(q, d));
+      const WorkerProfile& p = *d.profiles[0];
+      if (p.hi > p.lo) {
+        window.buffers_lo = p.lo;
+        window.buffers_size = p.hi - p.lo;
+      }
+      window.threadgroup_lo = pool().arenas();
+      window.threadgroup_size = pool().size() * kMaxThreadgroupMemory;
+    }
     install_handlers();
-    pool().run(&d);
+    pool().run(&d, q.profiling ? &window : nullptr);
     if (d.have_fault) {
       RawFault& f = d.fault;
       res.kind = f.kind;

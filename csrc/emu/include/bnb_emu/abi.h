@@ -67,6 +67,14 @@ enum {
   BNB_EMU_PROFILE_FORCED = 4
 };
 
+/* Profiler: the memory a profiled dispatch counts, for a cheap first test in the kernel module's
+ * hooks (most instrumented accesses are to the stack). An address in neither range is neither a
+ * counted buffer nor threadgroup memory; sizes are 0 outside a profiled dispatch. */
+typedef struct bnb_emu_profile_window {
+  uintptr_t buffers_lo, buffers_size;         /* spans every counted buffer */
+  uintptr_t threadgroup_lo, threadgroup_size; /* spans every worker's threadgroup memory */
+} bnb_emu_profile_window;
+
 typedef struct bnb_emu_runtime {
   uint32_t abi_version;
   /* The calling simulated thread. */
@@ -91,6 +99,7 @@ typedef struct bnb_emu_runtime {
   void (*profile_access)(const void* p, size_t n, int kind);
   /* Profiler: while muted (on != 0), the calling lane's accesses are not recorded unless FORCED. */
   void (*profile_mute)(int on);
+  const volatile bnb_emu_profile_window* profile_window;
 } bnb_emu_runtime;
 
 typedef void (*bnb_emu_kernel_fn)(void);
