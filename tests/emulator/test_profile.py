@@ -218,6 +218,14 @@ def test_counts_do_not_depend_on_lane_order(lib):
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_race_checking_build_counts_the_same(lib):
+    x = torch.randn(512)
+    plain = lib.profile("tg_reduce", grid=4, threadgroup=128, args=[x, torch.zeros(4)])
+    checked = lib.profile("tg_reduce", grid=4, threadgroup=128, args=[x, torch.zeros(4)], race_check=True,
+                          order="reverse", poison=0)
+    assert plain.to_dict() == checked.to_dict()
+
+
 def test_partial_threadgroups_and_empty_grids(lib):
     x, y = torch.randn(100), torch.zeros(100)
     p = lib.profile("copy_f32", threads=100, threadgroup=64, args=[x, y])
