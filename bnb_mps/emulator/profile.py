@@ -32,6 +32,17 @@ predictions: caches between threadgroups usually recover part of the re-read tra
 table every threadgroup reads), launch overhead and latency are ignored, and uncoalesced accesses
 cost more than their lines (they appear in the coalescing efficiency, which is reported separately).
 Only a Mac measures the real time (scripts/bench_kernels.py).
+
+How the accesses are seen: kernels compile as C++ where device pointers are plain pointers, so
+the profiler uses a second build of the kernel module, made by clang with
+`-fsanitize-coverage=trace-loads,trace-stores`: the compiler calls a hook before every load and
+store with its address and width, the hook (bnb_emu/kernel.h) drops what is neither a bound buffer
+nor threadgroup memory, and the runtime attributes the rest to the running lane. Chosen over
+wrapping device pointers in the shim (which would change what every kernel compiles to and slow
+every launch) and over page protection (a fault per access, no widths). The shim makes a vector
+copy one access of its width in that build (as the GPU loads it), and the vectorisers are off so
+that the CPU compiler neither merges nor splits the kernel's accesses. Plain launches keep the
+uninstrumented module: their code is unchanged.
 """
 
 from __future__ import annotations
