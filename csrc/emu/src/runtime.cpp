@@ -107,10 +107,6 @@ struct Lane {
   Stack* stack = nullptr;
   Worker* worker = nullptr;
   void* asan_fake = nullptr;
-  // Profiling: this lane's device accesses since its simdgroup last synchronised (one key per
-  // access, see WorkerProfile), and whether the shim has muted its instrumented accesses.
-  std::vector<uint64_t> accesses;
-  int muted = 0;
 };
 
 // A fault as recorded where it happens (possibly in a signal handler: no allocation there).
@@ -146,7 +142,8 @@ struct Binding {
 // Every device access of a lane is recorded into its counted binding: bytes by kind, a bitmap of
 // the bytes touched (unique bytes and lines, after merging the workers' bitmaps), a per-line stamp
 // of the last threadgroup that touched the line (lines summed over threadgroups), and a key
-// appended to the lane's access list. When the lanes of a simdgroup synchronise (a SIMD-group
+// appended to the lane's access list (kept here, not in Lane: plain dispatches never touch
+// profiling state). When the lanes of a simdgroup synchronise (a SIMD-group
 // collective, a threadgroup barrier, the end of the threadgroup), the lists are flushed into
 // SIMD-group memory instructions: the n-th access of each lane to one buffer with one kind (load,
 // store, atomic) since the last synchronisation. In uniform control flow that is the k-th access
@@ -177,6 +174,12 @@ struct WorkerProfile {
   uint32_t token = 0;          // the running threadgroup (1, 2, ... on this worker)
   uint64_t group_barriers = 0;
   ProfileResult r;             // the scalar counters (buffers stay in bufs)
+  // Per lane of the running threadgroup: its device accesses since its simdgroup last
+  // synchronised, one key each.
+  std::vector<std::vector<uint64_t>> accesses;
+  // Nonzero while the shim mutes the running lane's instrumented accesses (a scope without a
+  // yield point, so one counter per worker is enough).
+  int muted = 0;
   // Scratch for flush.
   std::vector<uint64_t> counters, max_count, base, buckets, distinct;
   std::vector<uint32_t> fill;
@@ -216,12 +219,13 @@ struct WorkerProfile {
   // Turns the access lists of a simdgroup's lanes into SIMD-group memory instructions: the n-th
   // access of each lane with one (buffer, kind) is instruction base[(buffer, kind)] + n, which
   // holds at most one access per lane (a bucket of kSimdWidth keys).
-  void flush(Lane* lanes, uint32_t count) {
+  void flush(uint32_t first_lane, uint32_t count) {
+    std::vector<uint64_t>* lanes = &accesses[first_lane];
     const size_t kinds = bufs.size() * 4;
     max_count.assign(kinds, 0);
     bool any = false;
     for (uint32_t i = 0; i < count; ++i) {
-      const std::vector<uint64_t>& list = lanes[i].accesses;
+      const std::vector<uint64_t>& list = lanes[i];
       if (list.empty()) continue;
       any = true;
       counters.assign(kinds, 0);
@@ -238,7 +242,7 @@ struct WorkerProfile {
     fill.assign(instructions, 0);
     buckets.resize(instructions * kSimdWidth);
     for (uint32_t i = 0; i < count; ++i) {
-      std::vector<uint64_t>& list = lanes[i].accesses;
+      std::vector<uint64_t>& list = lanes[i];
       if (list.empty()) continue;
       counters.assign(kinds, 0);
       for (uint64_t key : list) {
@@ -548,7 +552,7 @@ void rt_profile_access(const void* p, size_t n, int kind) {
   Worker* w = t_worker;
   if (!w || !w->prof) return;
   Lane* l = w->current;
-  if (!l || (l->muted > 0 && !(kind & BNB_EMU_PROFILE_FORCED))) return;
+  if (!l || (w->prof->muted > 0 && !(kind & BNB_EMU_PROFILE_FORCED))) return;
   kind &= BNB_EMU_PROFILE_KIND_MASK;
   auto a = reinterpret_cast<uintptr_t>(p), arena = reinterpret_cast<uintptr_t>(w->arena);
   if (a >= arena && a < arena + w->arena_used) {
@@ -557,12 +561,12 @@ void rt_profile_access(const void* p, size_t n, int kind) {
                                    : kind == BNB_EMU_PROFILE_ATOMIC ? r.threadgroup_atomic_bytes : r.threadgroup_load_bytes) += n;
     return;
   }
-  w->prof->record(l->accesses, a, n, kind);
+  w->prof->record(w->prof->accesses[l->index], a, n, kind);
 }
 
 void rt_profile_mute(int on) {
   Worker* w = t_worker;
-  if (w && w->current) w->current->muted += on ? 1 : -1;
+  if (w && w->prof && w->current) w->prof->muted += on ? 1 : -1;
 }
 
 // The profiler's window (bnb_emu_profile_window), set by Pool::run for the dispatch it runs.
@@ -666,7 +670,7 @@ void Worker::fault_from_scheduler(int kind, const Lane* l, const char* file, int
 
 void Worker::profile_flush(uint32_t sg) {
   uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
-  prof->flush(&lanes[lo], hi - lo);
+  prof->flush(lo, hi - lo);
 }
 
 void Worker::profile_group_done() {
@@ -881,8 +885,6 @@ bool Worker::run_group(uint64_t linear) {
     p.threads_per_simdgroup = kSimdWidth;
     p.simdgroups_per_threadgroup = nsg;
     p.lanes_in_simdgroup = std::min(kSimdWidth, nlanes - (i / kSimdWidth) * kSimdWidth);
-    l.accesses.clear();
-    l.muted = 0;
     // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
     // unstaggered tops would all compete for the same few cache sets.
 #if BNB_EMU_ASAN
@@ -904,6 +906,9 @@ bool Worker::run_group(uint64_t linear) {
   if (prof) {
     ++prof->token;
     prof->group_barriers = 0;
+    prof->muted = 0;
+    if (prof->accesses.size() < nlanes) prof->accesses.resize(nlanes);
+    for (uint32_t i = 0; i < nlanes; ++i) prof->accesses[i].clear();
   }
 
   for (;;) {
