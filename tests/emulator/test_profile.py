@@ -137,6 +137,16 @@ def test_vector_accesses_of_other_types_are_one_access_each(lib):
     assert p.buffers[0].transactions == n4 // 32
 
 
+def test_loops_of_scalar_stores_stay_scalar_stores(lib):
+    y = torch.ones(8 * 64)
+    p = lib.profile("zero8", threads=64, threadgroup=64, args=[y])
+    assert not y.any()
+    b = p.buffers[0]
+    assert (b.accesses, b.store_bytes, b.unique_bytes) == (8 * 64, 4 * 8 * 64, 4 * 8 * 64)
+    # The k-th store of the 32 lanes spans 32 x 32 bytes = 8 lines; 8 stores per simdgroup.
+    assert b.transactions == 2 * 8 * 8
+
+
 def test_view_off_a_line_boundary_spans_two_lines_per_load(lib):
     n, tg = 4096, 256
     base = torch.randn(n + 1)

@@ -126,3 +126,11 @@ kernel void lane0_then_all(device float* head [[buffer(0)]], device float* y [[b
     }
     y[gid] = float(lane);
 }
+
+// Eight scalar stores per thread in a loop: eight accesses (not one memset the CPU compiler
+// would otherwise make of it, which the instrumentation cannot see).
+kernel void zero8(device float* y [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+    for (uint k = 0; k < 8u; ++k) {
+        y[8u * gid + k] = 0.0f;
+    }
+}
