@@ -56,6 +56,12 @@ def bandwidth(name: str, gpu_cores: Optional[int] = None) -> Optional[float]:
     return variants[-1][1]
 
 
+def peak_bandwidths() -> dict[str, float]:
+    """Every chip of the table with its peak bandwidth in GB/s (the full chip where the bandwidth
+    depends on the GPU configuration), in table order."""
+    return {name: bandwidth(name) for name in BANDWIDTH_GBPS}  # type: ignore[misc]
+
+
 def _sysctl(key: str) -> Optional[str]:
     try:
         out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=10)

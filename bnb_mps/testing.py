@@ -43,35 +43,56 @@ def describe_arg(arg: KernelArg) -> Union[BoundTensor, Scalar]:
 class RecordingExecutor:
     """Forwards launches to `inner` (if any) and records them: (kernel, grid, threadgroup, args),
     with tensor arguments recorded as `BoundTensor` descriptions, so that recording hundreds of
-    launches keeps no tensor alive."""
+    launches keeps no tensor alive.
 
-    def __init__(self, inner: Optional[Executor] = None, name: str = "recording"):
+    With `profile=True`, each launch runs through `inner.profile` instead (the emulated executor:
+    same effect on the tensors, plus the kernel's memory traffic), and `profiles` holds one
+    bnb_mps.emulator.KernelProfile per launch, in the order of `launches`."""
+
+    def __init__(self, inner: Optional[Executor] = None, name: str = "recording", *, profile: bool = False):
+        if profile and not callable(getattr(inner, "profile", None)):
+            raise TypeError(f"profile=True needs an executor that can profile (the emulated one), got {inner!r}")
         self.inner = inner
         self.name = inner.name if inner is not None else name
+        self.profile = profile
         self.launches: list[tuple[str, Dim3, Dim3, list[Union[BoundTensor, Scalar]]]] = []
+        self.profiles: list = []
 
     @property
     def launched(self) -> list[str]:
         return [k for k, *_ in self.launches]
 
+    def clear(self) -> None:
+        """Forgets the launches (and profiles) recorded so far."""
+        self.launches.clear()
+        self.profiles.clear()
+
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
         self.launches.append((kernel, tuple(grid), tuple(threadgroup), [describe_arg(a) for a in args]))
-        if self.inner is not None:
+        if self.profile:
+            self.profiles.append(self.inner.profile(kernel, grid=grid, threadgroup=threadgroup, args=args))
+        elif self.inner is not None:
             self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
 
 
 @contextlib.contextmanager
-def use_emulated_kernels(**settings) -> Iterator[RecordingExecutor]:
+def use_emulated_kernels(*, profile: bool = False, **settings) -> Iterator[RecordingExecutor]:
     """Serve bitsandbytes ops on CPU tensors with bnb_mps' Metal kernels under the emulator.
 
     `settings` (order, race_check, poison, seed) go to the emulated executor for the duration.
-    Yields a RecordingExecutor whose `launched` lists the kernels that ran. Not re-entrant.
+    Yields a RecordingExecutor whose `launched` lists the kernels that ran. With `profile=True`
+    every launch is profiled (bnb_mps.emulator.Library.profile) and the recorder's `profiles`
+    holds each launch's memory traffic. Not re-entrant.
+
+        with use_emulated_kernels(profile=True) as kernels:
+            torch.ops.bitsandbytes.quantize_4bit(A, 64, "nf4", torch.uint8)
+        print(kernels.profiles[0])
     """
     from . import ops, registration
     from .executors import emulated, load_tier
 
     names = [name for name, op in ops.OPS.items() if op.kernel is not None]
-    recorder = RecordingExecutor(load_tier("emulated"))
+    recorder = RecordingExecutor(load_tier("emulated"), profile=profile)
     with emulated.settings(**settings) if settings else contextlib.nullcontext():
         if "CPU" in registration.registered_keys():
             raise RuntimeError("use_emulated_kernels() is already active")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Emulator speed: simulated threads per second on a 1024 x 1024 4-bit GEMV-shaped kernel
 (32,768 threads: one 32-thread simdgroup per row, 16 weights per thread per step, a simd_sum
-at the end), and the cost of one threadgroup_barrier in a 256-thread threadgroup.
+at the end), the time `Library.profile` takes on the same dispatch, and the cost of one
+threadgroup_barrier in a 256-thread threadgroup.
 
     python scripts/bench_emulator.py [--repeat 20]
 """
@@ -50,6 +51,17 @@ def main() -> None:
     best, med = best_of(run, args.repeat)
     print(f"gemv 1024x1024 4-bit: {threads} threads, best {best * 1e3:.2f} ms, median {med * 1e3:.2f} ms, "
           f"{threads / best / 1e6:.2f} M simulated threads/s (best), {threads / med / 1e6:.2f} M/s (median)")
+
+    # The profiler (Library.profile) runs an instrumented build of the same kernel.
+    profile = lambda: lib.profile("gemv_4bit", grid=rows // 2, threadgroup=tg, args=[w, absmax, code, x, y, uint32(k)])
+    try:
+        profile()
+    except emulator.CompileError as e:
+        print(f"profile: not measured ({str(e).splitlines()[0]})")
+    else:
+        pbest, pmed = best_of(profile, max(3, args.repeat // 4))
+        print(f"profile of the same gemv: best {pbest * 1e3:.2f} ms, median {pmed * 1e3:.2f} ms "
+              f"({pbest / best:.1f}x the launch, best to best)")
 
     out = torch.zeros(256)
     n_bar = 2000

@@ -8,7 +8,10 @@ system-level cache are rotated between copies so that every call reads memory, n
 
 Elsewhere: no GPU time can be measured, and the script says so. It runs each op's kernels on the
 emulated tier on small shapes and reports launches per call, bytes allocated per call beyond the
-outputs, and host reads (the op layer runs on `meta` tensors, where any read of data fails).
+outputs, and host reads (the op layer runs on `meta` tensors, where any read of data fails); and
+the kernels' memory traffic measured by the emulator's profiler (bnb_mps.emulator.Library.profile:
+lines touched, SIMD-group transactions against the ideal, coalescing efficiency) with the time it
+implies at a few chips' peak bandwidth and the efficiency against the case's required bytes.
 
     python scripts/bench_kernels.py [--families quant,...] [--short] [--json PATH] [--chart PATH]
 
@@ -314,6 +317,22 @@ def measure_emulated(cases: list[Case]) -> None:
         case.results["kernels"] = sorted(set(kernels.launched))
         case.results["extra_alloc_bytes"] = alloc.bytes - outputs
         case.results["host_reads"] = _host_reads_on_meta(case, meta)
+        case.results["profile"] = profile_case(case, call)
+
+
+def profile_case(case: Case, call: Callable[[], object]) -> dict:
+    """The memory traffic of one call's kernels (bnb_mps.emulator.summarize), or why there is none."""
+    from bnb_mps.emulator import EmulatorError, summarize
+    from bnb_mps.testing import use_emulated_kernels
+
+    try:
+        with use_emulated_kernels(profile=True) as kernels:
+            call()
+    except EmulatorError as e:  # e.g. no clang to build the instrumented kernels
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    summary = summarize(kernels.profiles, case.required_bytes)
+    summary["launches"] = [p.to_dict() for p in kernels.profiles]
+    return summary
 
 
 def _host_reads_on_meta(case: Case, meta: torch.device) -> str:
@@ -354,6 +373,28 @@ def table(cases: list[Case], mode: str) -> str:
         r = c.results
         rows.append(f"| {c.name} | {r['launches']} | {r['extra_alloc_bytes']} | {r['host_reads']} | "
                     f"{', '.join(r['kernels'])} |")  # fmt: skip
+    return "\n".join(rows) + "\n\n" + traffic_table(cases)
+
+
+def traffic_table(cases: list[Case]) -> str:
+    """The emulator's memory-traffic figures per case (see bnb_mps.emulator.profile)."""
+    from bnb_mps.emulator.profile import SHOWN_CHIPS
+
+    head = ("| op | required | lines (unique / summed over threadgroups) | traffic | SIMD transactions / ideal | "
+            "coalescing | traffic efficiency | " + " | ".join(f"est. {c}" for c in SHOWN_CHIPS) + " |")  # fmt: skip
+    rows = ["Memory traffic measured by the emulator (128-byte lines; estimated time = traffic / peak bandwidth, "
+            "traffic efficiency = required / traffic):", "", head, "|" + "---|" * (7 + len(SHOWN_CHIPS))]
+    for c in cases:
+        p = c.results.get("profile") or {"error": "not profiled"}
+        if "error" in p:
+            rows.append(f"| {c.name} | {c.required_bytes} | {p['error']} |" + " |" * (5 + len(SHOWN_CHIPS)))
+            continue
+        coal = "n/a" if p["coalescing_efficiency"] is None else f"{p['coalescing_efficiency']:.3f}"
+        eff = "n/a" if p["traffic_efficiency"] is None else f"{p['traffic_efficiency']:.3f}"
+        times = " | ".join(f"{p['estimated_time_s'][chip] * 1e6:.2f} us" for chip in SHOWN_CHIPS)
+        rows.append(f"| {c.name} | {c.required_bytes} | {p['lines']} / {p['lines_summed_over_threadgroups']} | "
+                    f"{p['traffic_bytes']} | {p['simd_transactions']} / {p['simd_transactions_ideal']:g} | {coal} | "
+                    f"{eff} | {times} |")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -407,7 +448,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         measure_gpu(cases, ns.short)
     else:
         print("No mps device: no GPU time was measured. The kernels ran on the emulated tier (small shapes);")
-        print("the table shows launches, allocations and host reads per call, not speed.\n")
+        print("the tables show launches, allocations and host reads per call, and the memory traffic the")
+        print("emulator measured with the time it implies at peak bandwidth: estimates, not speed.\n")
         measure_emulated(cases)
     print(table(cases, mode))
     if ns.json:

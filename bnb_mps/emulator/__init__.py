@@ -3,9 +3,12 @@
     lib = bnb_mps.emulator.load(msl_text_or_path)
     lib.launch("my_kernel", grid=(4,), threadgroup=(64,), args=[x, y, uint32(n)],
                order="random", race_check=True, poison=0x00)
+    print(lib.profile("my_kernel", grid=(4,), threadgroup=(64,), args=[x, y, uint32(n)]))
 
 Kernel text is compiled as C++ against shim Metal headers (csrc/emu/include) and run with one
 fiber per simulated thread; see /EMULATOR.md of the design notes and `Library.launch`.
+`Library.profile` runs a kernel in an instrumented build and reports its memory traffic
+(bnb_mps.emulator.profile).
 """
 
 from .build import find_compiler
@@ -24,10 +27,11 @@ from .errors import (
 )
 from .harness import NondeterministicOutput, run_checked
 from .library import Library, load
+from .profile import LINE_BYTES, BufferTraffic, Estimate, KernelProfile, summarize
 from .prepass import PrepassError, translate
 
 __all__ = [
-    "BarrierDivergence", "CompileError", "DivergentCollective", "EmulatorError", "KernelError", "LimitExceeded",
-    "Library", "MemoryFault", "NondeterministicOutput", "OutOfBounds", "PrepassError", "RaceDetected", "StackOverflow", "UnboundBuffer",
-    "find_compiler", "load", "run_checked", "translate",
+    "BarrierDivergence", "BufferTraffic", "CompileError", "DivergentCollective", "EmulatorError", "Estimate",
+    "KernelError", "KernelProfile", "LINE_BYTES", "LimitExceeded", "Library", "MemoryFault", "NondeterministicOutput", "OutOfBounds", "PrepassError", "RaceDetected", "StackOverflow", "UnboundBuffer",
+    "find_compiler", "load", "run_checked", "summarize", "translate",
 ]

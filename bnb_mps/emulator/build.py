@@ -6,6 +6,16 @@ results are reproducible, and -Werror=vla. BNB_MPS_EMU_CXXFLAGS adds flags (the 
 uses it). Modules are cached under $BNB_MPS_CACHE_DIR/emu (default ~/.cache/bnb_mps/emu), keyed
 by the source, the shim headers, the compiler and the flags; writes go to a temporary file that
 is renamed into place, so concurrent test processes share the cache safely.
+
+Profiling modules (`Library.profile`) are a separate build: clang's
+`-fsanitize-coverage=trace-loads,trace-stores` makes every load and store of the kernel code call
+the module's hooks (bnb_emu/kernel.h), so the runtime sees each device access with its address
+and width. Vectorisers and VectorCombine are off there, so that the accesses are those of the
+source (a `uchar4` load one 4-byte access, four `uchar` loads four accesses), and so are the
+memset/memcpy idioms (the instrumentation does not see those calls). The compiler is the
+`compiler` argument if it is a clang that can do this, else BNB_MPS_EMU_PROFILE_CXX, else the
+newest such clang++ on PATH; BNB_MPS_EMU_PROFILE_CXXFLAGS adds flags (BNB_MPS_EMU_CXXFLAGS does not
+apply: its flags are for the default compiler). Plain launches keep using the uninstrumented module.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from pathlib import Path
 
 from .errors import CompileError
 
-ABI_VERSION = 3  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
+ABI_VERSION = 4  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
 
 
 def include_dir() -> Path:
@@ -65,7 +75,55 @@ def is_clang(path: str) -> bool:
     return "clang" in compiler_identity(path).lower()
 
 
-def flags(path: str, race_check: bool) -> list[str]:
+PROFILE_FLAGS = [
+    "-DBNB_EMU_PROFILE=1",
+    "-fsanitize-coverage=func,trace-loads,trace-stores",
+    "-fno-vectorize", "-fno-slp-vectorize", "-mllvm", "-disable-vector-combine",
+    "-fno-builtin-memset", "-fno-builtin-memcpy", "-fno-builtin-memmove",
+]
+#: clang++ names tried for profiling builds, newest first (_Float16 on x86-64 needs clang >= 15).
+PROFILE_COMPILERS = ("clang++", *(f"clang++-{v}" for v in range(22, 14, -1)))
+
+
+@functools.lru_cache(maxsize=None)
+def can_profile(path: str) -> bool:
+    """Whether `path` is a clang that builds profiling modules (trace-loads/stores, _Float16)."""
+    if not is_clang(path):
+        return False
+    with tempfile.TemporaryDirectory(prefix="bnb_emu_probe_") as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text("_Float16 f(const _Float16* p) { return p[0] * p[1]; }\n")
+        cmd = [path, "-std=c++17", "-O2", *PROFILE_FLAGS, "-c", str(src), "-o", str(Path(tmp) / "probe.o")]
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
+
+
+def find_profile_compiler(compiler: str | None = None) -> str:
+    """Path of the clang++ that builds profiling modules: `compiler` if it can, else
+    BNB_MPS_EMU_PROFILE_CXX, else the first of PROFILE_COMPILERS on PATH that can."""
+    if compiler:
+        path = shutil.which(compiler)
+        if path and can_profile(path):
+            return path
+    wanted = os.environ.get("BNB_MPS_EMU_PROFILE_CXX")
+    if wanted:
+        path = shutil.which(wanted)
+        if path and can_profile(path):
+            return path
+        raise CompileError(f"BNB_MPS_EMU_PROFILE_CXX={wanted} cannot build profiling modules (it must be a "
+                           f"clang++ >= 15 with -fsanitize-coverage=trace-loads,trace-stores)")
+    for c in PROFILE_COMPILERS:
+        path = shutil.which(c)
+        if path and can_profile(path):
+            return path
+    raise CompileError("profiling kernels needs clang++ >= 15 (-fsanitize-coverage=trace-loads,trace-stores "
+                       "and _Float16), and none was found on PATH; install clang (e.g. apt-get install clang-16) "
+                       "or set BNB_MPS_EMU_PROFILE_CXX")
+
+
+def flags(path: str, race_check: bool, profile: bool = False) -> list[str]:
     f = [
         "-std=c++17", "-O2", "-g1", "-fPIC", "-shared",
         "-fvisibility=hidden", "-fvisibility-inlines-hidden",
@@ -82,7 +140,11 @@ def flags(path: str, race_check: bool) -> list[str]:
         f += ["-fno-gnu-unique"]
     if race_check:
         f.append("-DBNB_EMU_RACE_CHECK=1")
-    f += shlex.split(os.environ.get("BNB_MPS_EMU_CXXFLAGS", ""))
+    if profile:
+        f += PROFILE_FLAGS
+        f += shlex.split(os.environ.get("BNB_MPS_EMU_PROFILE_CXXFLAGS", ""))
+    else:
+        f += shlex.split(os.environ.get("BNB_MPS_EMU_CXXFLAGS", ""))
     return f
 
 
@@ -95,11 +157,13 @@ def _headers_digest(inc: Path) -> str:
     return h.hexdigest()
 
 
-def build(cpp: str, *, compiler: str | None = None, race_check: bool = False, name: str = "kernel") -> Path:
-    """Compiles translated source into a kernel module; returns the cached shared object."""
-    cxx = find_compiler(compiler)
+def build(cpp: str, *, compiler: str | None = None, race_check: bool = False, profile: bool = False,
+          name: str = "kernel") -> Path:
+    """Compiles translated source into a kernel module; returns the cached shared object.
+    `profile`: the instrumented build that `Library.profile` runs (needs clang, see above)."""
+    cxx = find_profile_compiler(compiler) if profile else find_compiler(compiler)
     inc = include_dir()
-    fl = flags(cxx, race_check)
+    fl = flags(cxx, race_check, profile)
     key = hashlib.sha256(
         "\0".join([str(ABI_VERSION), cpp, _headers_digest(inc), cxx, compiler_identity(cxx), " ".join(fl)]).encode()
     ).hexdigest()[:32]

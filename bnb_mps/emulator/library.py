@@ -25,6 +25,7 @@ from typing import Union
 
 from ..kernel_args import Scalar
 from . import build, errors, prepass
+from .profile import LINE_BYTES, KernelProfile
 
 _ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 Dims = Union[int, Sequence[int]]
@@ -120,24 +121,27 @@ def _addr2line(path: str, offset: int) -> str | None:
 
 
 class Library:
-    """Kernels compiled from one MSL source; `launch` runs them under the emulator."""
+    """Kernels compiled from one MSL source; `launch` runs them under the emulator, `profile` runs
+    them and measures their memory traffic."""
 
     def __init__(self, source: str, *, name: str = "kernel.metal", compiler: str | None = None) -> None:
         self.name = name
         self._compiler = compiler
         self._translation = prepass.translate(source, name)
-        self._modules: dict[bool, object] = {}
+        self._modules: dict[tuple[bool, bool], object] = {}
         self._lock = threading.Lock()
         self._module(False)  # compile now: errors surface at load time
 
-    def _module(self, race_check: bool):
+    def _module(self, race_check: bool, profile: bool = False):
+        """The kernel module of one build variant (compiled on first use, then cached)."""
         with self._lock:
-            mod = self._modules.get(race_check)
+            mod = self._modules.get((race_check, profile))
             if mod is None:
                 rt = _runtime()
-                so = build.build(self._translation.cpp, compiler=self._compiler, race_check=race_check, name=self.name)
+                so = build.build(self._translation.cpp, compiler=self._compiler, race_check=race_check,
+                                 profile=profile, name=self.name)
                 mod = rt.Module(str(so))
-                self._modules[race_check] = mod
+                self._modules[(race_check, profile)] = mod
             return mod
 
     @property
@@ -164,6 +168,79 @@ class Library:
         threads in total, Metal's dispatchThreads, with smaller edge threadgroups), binding
         `args` to [[buffer(0)]], [[buffer(1)]], ... Returns when the dispatch is done; outputs are
         written back into the tensors. Faults raise an EmulatorError subclass."""
+        mod, groups, tg, total, buffers = self._dispatch(kernel, grid, threadgroup, args, threads, order, race_check,
+                                                         poison, seed, profile=False)
+        if 0 in groups:
+            return
+        res = _runtime().launch(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order], seed,
+                                poison, bool(race_check))
+        self._raise_fault(kernel, mod, res)
+
+    def profile(
+        self,
+        kernel: str,
+        *,
+        grid: Dims | None = None,
+        threadgroup: Dims,
+        args: Sequence[object] = (),
+        threads: Dims | None = None,
+        order: str = "forward",
+        race_check: bool = False,
+        poison: int = 0xFF,
+        seed: int = 0,
+        required_bytes: int | None = None,
+        line_bytes: int = LINE_BYTES,
+    ) -> KernelProfile:
+        """Runs `kernel` like `launch` (same arguments, same effect on the tensors) in an
+        instrumented build that records every device access, and returns its memory traffic as a
+        `KernelProfile` (see bnb_mps.emulator.profile for what each figure means).
+
+        `required_bytes`: what the kernel must move at least (e.g. packed weight + absmax + input +
+        output), for the estimate's efficiency. `line_bytes`: the cache line (128 on Apple GPUs).
+        Needs clang >= 15 (CompileError otherwise); slower than `launch`, which it leaves untouched.
+
+        What is counted: every load and store of 1..16 bytes the compiled kernel code makes into a
+        buffer argument (tensors; scalars passed as kernel_args or bytes are constant data, not
+        memory traffic, and are reported as None) or into threadgroup memory. A vector load or store
+        (uchar4, half4, uint4, float4 ...) is one access of its width; so is a vector operand read
+        straight from device memory. simdgroup_load/simdgroup_store count as each lane moving its
+        share of the matrix (two elements of an 8x8); an atomic operation is one access.
+        Lines are counted as if each tensor's storage began on a line boundary (Metal buffers do):
+        a view starts `storage_offset * element_size` bytes into it.
+
+        SIMD-group memory instructions: the lanes of a simdgroup run one after another here, so an
+        instruction is reconstructed from each lane's sequence of accesses since the simdgroup last
+        synchronised (a SIMD-group collective, a threadgroup barrier): the n-th access of each lane
+        to one buffer with one kind (load, store, atomic) is one instruction, and its transactions
+        are the distinct lines its lanes touch. In uniform control flow this is exactly the k-th
+        device access of each active lane, the instruction the hardware issues. Divergent control
+        flow is approximated: a lane's accesses made on a path the others do not take are paired
+        with the others' accesses to the same buffer and kind by their count (so `if (lane == 0)
+        absmax[b] = m;` is an instruction of its own and shifts nothing else, while two paths that
+        load one buffer a different number of times are paired load by load), and the count
+        restarts at every synchronisation.
+        Accesses the compiler removes (loads hoisted out of loops, repeated loads of one address)
+        are not counted, as on the GPU, whose compiler does the same; copies the compiler turns into
+        memcpy calls of aggregates larger than 16 bytes are not seen.
+        """
+        if not isinstance(line_bytes, int) or line_bytes < 16 or line_bytes & (line_bytes - 1):
+            raise ValueError(f"line_bytes must be a power of two >= 16, got {line_bytes!r}")
+        if required_bytes is not None and (not isinstance(required_bytes, int) or required_bytes < 0):
+            raise ValueError(f"required_bytes must be a non-negative int, got {required_bytes!r}")
+        counted = [_is_buffer(a) for a in args]
+        offsets = [_line_offset(a, line_bytes) for a in args]
+        mod, groups, tg, total, buffers = self._dispatch(kernel, grid, threadgroup, args, threads, order, race_check,
+                                                         poison, seed, profile=True)
+        sizes = [len(b) if isinstance(b, bytes) else b[1] for b in buffers]
+        if 0 in groups:
+            return KernelProfile.from_counts(kernel, groups, tg, counted, sizes, line_bytes, None, required_bytes)
+        fault, counts = _runtime().profile(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order],
+                                           seed, poison, bool(race_check), counted, offsets, line_bytes)
+        self._raise_fault(kernel, mod, fault)
+        return KernelProfile.from_counts(kernel, groups, tg, counted, sizes, line_bytes, counts, required_bytes)
+
+    def _dispatch(self, kernel, grid, threadgroup, args, threads, order, race_check, poison, seed, *, profile):
+        """Validates a launch; returns (module, groups, threadgroup, threads, marshalled args)."""
         if not isinstance(kernel, str):
             raise TypeError(f"kernel must be a kernel name (str), got {type(kernel).__name__}")
         if (grid is None) == (threads is None):
@@ -184,16 +261,16 @@ class Library:
         if any(n > 0xFFFFFFFF for n in total):
             raise ValueError(f"grid too large: {total} threads")
         buffers = _marshal(args)
-        mod = self._module(bool(race_check))
+        mod = self._module(bool(race_check), profile)
         if kernel not in mod.kernels:
             names = sorted(mod.kernels)
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             raise errors.KernelError(f"kernel '{kernel}' is not in {self.name} (kernels: {shown or 'none'})",
                                      kernel=kernel)
-        if 0 in groups:
-            return
-        res = _runtime().launch(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order], seed,
-                                poison, bool(race_check))
+        return mod, groups, tg, total, buffers
+
+    @staticmethod
+    def _raise_fault(kernel: str, mod, res) -> None:
         if res is None:
             return
         kind, message, where, obj, offset = res
@@ -204,6 +281,19 @@ class Library:
                 message = message.replace(" [", f" at {loc} [", 1) if " [" in message else f"{message} at {loc}"
         cls = errors.BY_KIND.get(kind, errors.EmulatorError)
         raise cls(message, kernel=kernel, where=where)
+
+
+def _is_buffer(arg: object) -> bool:
+    """Tensors are buffers (memory traffic); scalars and bytes are constant data (setBytes)."""
+    return not isinstance(arg, (Scalar, bytes, bytearray))
+
+
+def _line_offset(arg: object, line_bytes: int) -> int:
+    """Where a tensor's binding starts relative to a line on the GPU, whose buffers start on a line:
+    its byte offset into its storage."""
+    if not _is_buffer(arg) or not hasattr(arg, "storage_offset"):
+        return 0
+    return (arg.storage_offset() * arg.element_size()) % line_bytes  # type: ignore[union-attr]
 
 
 def load(source_or_path: Union[str, Path], *, compiler: str | None = None) -> Library:

@@ -48,6 +48,14 @@ class EmulatedExecutor:
         self._load().launch(kernel, grid=tuple(grid), threadgroup=tuple(threadgroup), args=args, order=self.order,
                             race_check=self.race_check, poison=self.poison, seed=self.seed)
 
+    def profile(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg],
+                required_bytes: int | None = None):
+        """Runs the kernel as `launch` does (same effect on the tensors) under the emulator's
+        profiler and returns its memory traffic (a bnb_mps.emulator.KernelProfile)."""
+        return self._load().profile(kernel, grid=tuple(grid), threadgroup=tuple(threadgroup), args=args,
+                                    order=self.order, race_check=self.race_check, poison=self.poison, seed=self.seed,
+                                    required_bytes=required_bytes)
+
 
 _executor: EmulatedExecutor | None = None
 _lock = threading.Lock()

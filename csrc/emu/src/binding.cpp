@@ -59,10 +59,11 @@ std::array<uint32_t, 3> dim3(const std::vector<uint64_t>& v, const char* what) {
   return out;
 }
 
-py::object run(const Module& m, const std::string& kernel, const std::vector<uint64_t>& groups,
-               const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
-               int order, uint64_t seed, int poison, bool race_check) {
-  bnb_emu::LaunchRequest q;
+// Fills the request shared by launch and profile. `scalars` keeps bytes arguments alive.
+void make_request(bnb_emu::LaunchRequest& q, std::vector<std::string>& scalars, const Module& m,
+                  const std::string& kernel, const std::vector<uint64_t>& groups,
+                  const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
+                  int order, uint64_t seed, int poison, bool race_check) {
   q.fn = m.find(kernel);
   if (!q.fn) throw py::key_error(kernel);
   q.kernel = kernel;
@@ -73,7 +74,6 @@ py::object run(const Module& m, const std::string& kernel, const std::vector<uin
     q.threads[i] = n[size_t(i)];
   }
   // Scalars arrive as bytes; keep copies alive for the dispatch.
-  std::vector<std::string> scalars;
   scalars.reserve(buffers.size());
   for (py::handle item : buffers) {
     bnb_emu::HostBuffer b;
@@ -98,13 +98,75 @@ py::object run(const Module& m, const std::string& kernel, const std::vector<uin
   q.seed = seed;
   q.poison = uint8_t(poison);
   q.race_check = race_check;
+}
+
+py::object fault_tuple(const bnb_emu::LaunchResult& r) {
+  if (r.kind == BNB_EMU_OK) return py::none();
+  return py::make_tuple(r.kind, r.message, r.where, r.object_path, r.pc_offset);
+}
+
+py::object run(const Module& m, const std::string& kernel, const std::vector<uint64_t>& groups,
+               const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
+               int order, uint64_t seed, int poison, bool race_check) {
+  bnb_emu::LaunchRequest q;
+  std::vector<std::string> scalars;
+  make_request(q, scalars, m, kernel, groups, group_size, threads, buffers, order, seed, poison, race_check);
   bnb_emu::LaunchResult r;
   {
     py::gil_scoped_release nogil;
     r = bnb_emu::launch(q);
   }
-  if (r.kind == BNB_EMU_OK) return py::none();
-  return py::make_tuple(r.kind, r.message, r.where, r.object_path, r.pc_offset);
+  return fault_tuple(r);
+}
+
+// Like run, for a module built with BNB_EMU_PROFILE: `counted[i]` says whether buffer i is
+// memory traffic, `line_offsets[i]` where it starts relative to a line. Returns (fault or None,
+// counts as a dict).
+py::tuple profile(const Module& m, const std::string& kernel, const std::vector<uint64_t>& groups,
+                  const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
+                  int order, uint64_t seed, int poison, bool race_check, const std::vector<bool>& counted,
+                  const std::vector<uint32_t>& line_offsets, uint32_t line_bytes) {
+  bnb_emu::LaunchRequest q;
+  std::vector<std::string> scalars;
+  make_request(q, scalars, m, kernel, groups, group_size, threads, buffers, order, seed, poison, race_check);
+  if (counted.size() != q.buffers.size() || line_offsets.size() != q.buffers.size())
+    throw py::value_error("profile: one counted flag and one line offset per buffer expected");
+  q.profiling = true;
+  q.line_bytes = line_bytes;
+  for (size_t i = 0; i < q.buffers.size(); ++i) q.profile.push_back({bool(counted[i]), line_offsets[i]});
+  bnb_emu::LaunchResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = bnb_emu::launch(q);
+  }
+  const bnb_emu::ProfileResult& p = r.profile;
+  py::list bufs;
+  for (const auto& t : p.buffers) {
+    py::dict b;
+    b["load_bytes"] = t.load_bytes;
+    b["store_bytes"] = t.store_bytes;
+    b["atomic_bytes"] = t.atomic_bytes;
+    b["accesses"] = t.accesses;
+    b["unique_bytes"] = t.unique_bytes;
+    b["lines"] = t.lines;
+    b["lines_summed_over_threadgroups"] = t.lines_summed;
+    b["transactions"] = t.transactions;
+    bufs.append(b);
+  }
+  py::dict out;
+  out["buffers"] = bufs;
+  out["instructions"] = p.instructions;
+  out["transactions"] = p.transactions;
+  out["threadgroups"] = p.threadgroups;
+  out["threads"] = p.threads;
+  out["barriers"] = p.barriers;
+  out["barriers_max"] = p.barriers_max;
+  out["collectives"] = p.collectives;
+  out["threadgroup_memory_max"] = p.threadgroup_memory_max;
+  out["threadgroup_load_bytes"] = p.threadgroup_load_bytes;
+  out["threadgroup_store_bytes"] = p.threadgroup_store_bytes;
+  out["threadgroup_atomic_bytes"] = p.threadgroup_atomic_bytes;
+  return py::make_tuple(fault_tuple(r), out);
 }
 
 }  // namespace
@@ -119,5 +181,8 @@ PYBIND11_MODULE(_emu, mod) {
   mod.def("launch", &run, py::arg("module"), py::arg("kernel"), py::arg("groups"), py::arg("group_size"),
           py::arg("threads"), py::arg("buffers"), py::arg("order"), py::arg("seed"), py::arg("poison"),
           py::arg("race_check"));
+  mod.def("profile", &profile, py::arg("module"), py::arg("kernel"), py::arg("groups"), py::arg("group_size"),
+          py::arg("threads"), py::arg("buffers"), py::arg("order"), py::arg("seed"), py::arg("poison"),
+          py::arg("race_check"), py::arg("counted"), py::arg("line_offsets"), py::arg("line_bytes"));
   mod.def("worker_count", &bnb_emu::worker_count);
 }

@@ -91,6 +91,8 @@ struct Stack {
 
 struct Worker;
 
+uint32_t nsg_of(uint32_t lanes) { return (lanes + kSimdWidth - 1) / kSimdWidth; }
+
 struct Lane {
   Context ctx;
   bnb_emu_lane pub;
@@ -134,6 +136,137 @@ struct Binding {
   size_t size = 0;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Profiling: one worker's counts for a profiled dispatch (merged by launch() at the end).
+//
+// Every device access of a lane is recorded into its counted binding: bytes by kind, a bitmap of
+// the bytes touched (unique bytes and lines, after merging the workers' bitmaps), a per-line stamp
+// of the last threadgroup that touched the line (lines summed over threadgroups), and a key
+// appended to the lane's access list (kept here, not in Lane: plain dispatches never touch
+// profiling state). When the lanes of a simdgroup synchronise (a SIMD-group
+// collective, a threadgroup barrier, the end of the threadgroup), the lists are flushed into
+// SIMD-group memory instructions: the n-th access of each lane to one buffer with one kind (load,
+// store, atomic) since the last synchronisation. In uniform control flow that is the k-th access
+// of each lane, the instruction the hardware issues; in divergent code it keeps a lane's extra
+// access (`if (lane == 0) absmax[b] = m;`) from shifting the pairing of the other buffers'
+// accesses, and it does not depend on how the compiler laid out the code. An instruction's
+// transactions are the distinct lines its lanes touch.
+
+// Access keys: buffer slot in bits 56..63, kind in 54..55, extra lines spanned in 48..53, first
+// line in 0..47.
+constexpr int kKeySlotShift = 56, kKeyKindShift = 54, kKeySpanShift = 48;
+constexpr uint64_t kKeyLineMask = (uint64_t(1) << kKeySpanShift) - 1;
+
+struct BufferState {
+  int binding = 0;
+  uintptr_t lo = 0;
+  size_t size = 0;
+  uint32_t offset = 0;
+  BufferTraffic t;
+  std::vector<uint64_t> touched;  // bit per byte
+  std::vector<uint32_t> stamp;    // per line: token of the last threadgroup that touched it
+};
+
+struct WorkerProfile {
+  std::vector<BufferState> bufs;  // the counted bindings, in binding order
+  uintptr_t lo = UINTPTR_MAX, hi = 0;
+  uint32_t line_bytes = 128, line_shift = 7;
+  uint32_t token = 0;          // the running threadgroup (1, 2, ... on this worker)
+  uint64_t group_barriers = 0;
+  ProfileResult r;             // the scalar counters (buffers stay in bufs)
+  // Per lane of the running threadgroup: its device accesses since its simdgroup last
+  // synchronised, one key each.
+  std::vector<std::vector<uint64_t>> accesses;
+  // Nonzero while the shim mutes the running lane's instrumented accesses (a scope without a
+  // yield point, so one counter per worker is enough).
+  int muted = 0;
+  // Scratch for flush.
+  std::vector<uint64_t> counters, max_count, base, buckets, distinct;
+  std::vector<uint32_t> fill;
+
+  void record(std::vector<uint64_t>& list, uintptr_t a, size_t n, int kind) {
+    if (a < lo || a >= hi) return;
+    for (size_t slot = 0; slot < bufs.size(); ++slot) {
+      BufferState& b = bufs[slot];
+      size_t off = size_t(a - b.lo);
+      if (a < b.lo || off >= b.size) continue;
+      size_t m = std::min(n, b.size - off);
+      if (kind == BNB_EMU_PROFILE_STORE)
+        b.t.store_bytes += n;
+      else if (kind == BNB_EMU_PROFILE_ATOMIC)
+        b.t.atomic_bytes += n;
+      else
+        b.t.load_bytes += n;
+      ++b.t.accesses;
+      for (size_t i = off, end = off + m; i < end;) {  // set bits [off, off + m), a word at a time
+        size_t bit = i & 63, count = std::min<size_t>(64 - bit, end - i);
+        b.touched[i >> 6] |= (count == 64 ? ~uint64_t(0) : ((uint64_t(1) << count) - 1)) << bit;
+        i += count;
+      }
+      uint64_t first = (off + b.offset) >> line_shift, last = (off + m - 1 + b.offset) >> line_shift;
+      for (uint64_t line = first; line <= last; ++line)
+        if (b.stamp[line] != token) {
+          b.stamp[line] = token;
+          ++b.t.lines_summed;
+        }
+      uint64_t span = std::min<uint64_t>(last - first, 63);
+      list.push_back((uint64_t(slot) << kKeySlotShift) | (uint64_t(kind) << kKeyKindShift) |
+                     (span << kKeySpanShift) | first);
+      return;
+    }
+  }
+
+  // Turns the access lists of a simdgroup's lanes into SIMD-group memory instructions: the n-th
+  // access of each lane with one (buffer, kind) is instruction base[(buffer, kind)] + n, which
+  // holds at most one access per lane (a bucket of kSimdWidth keys).
+  void flush(uint32_t first_lane, uint32_t count) {
+    std::vector<uint64_t>* lanes = &accesses[first_lane];
+    const size_t kinds = bufs.size() * 4;
+    max_count.assign(kinds, 0);
+    bool any = false;
+    for (uint32_t i = 0; i < count; ++i) {
+      const std::vector<uint64_t>& list = lanes[i];
+      if (list.empty()) continue;
+      any = true;
+      counters.assign(kinds, 0);
+      for (uint64_t key : list) ++counters[key >> kKeyKindShift];
+      for (size_t k = 0; k < kinds; ++k) max_count[k] = std::max(max_count[k], counters[k]);
+    }
+    if (!any) return;
+    base.resize(kinds);
+    size_t instructions = 0;
+    for (size_t k = 0; k < kinds; ++k) {
+      base[k] = instructions;
+      instructions += max_count[k];
+    }
+    fill.assign(instructions, 0);
+    buckets.resize(instructions * kSimdWidth);
+    for (uint32_t i = 0; i < count; ++i) {
+      std::vector<uint64_t>& list = lanes[i];
+      if (list.empty()) continue;
+      counters.assign(kinds, 0);
+      for (uint64_t key : list) {
+        uint64_t k = key >> kKeyKindShift, ins = base[k] + counters[k]++;
+        buckets[ins * kSimdWidth + fill[ins]++] = key;
+      }
+      list.clear();
+    }
+    for (size_t ins = 0; ins < instructions; ++ins) {
+      if (!fill[ins]) continue;
+      ++r.instructions;
+      const uint64_t* keys = &buckets[ins * kSimdWidth];
+      distinct.clear();
+      for (uint32_t j = 0; j < fill[ins]; ++j) {
+        uint64_t span = (keys[j] >> kKeySpanShift) & 0x3F, line = keys[j] & kKeyLineMask;
+        for (uint64_t l = line; l <= line + span; ++l)
+          if (std::find(distinct.begin(), distinct.end(), l) == distinct.end()) distinct.push_back(l);
+      }
+      r.transactions += distinct.size();
+      bufs[size_t(keys[0] >> kKeySlotShift)].t.transactions += distinct.size();
+    }
+  }
+};
+
 struct Dispatch {
   const LaunchRequest* req = nullptr;
   std::vector<Binding> bindings;
@@ -147,6 +280,9 @@ struct Dispatch {
   bool have_fault = false;
   RawFault fault;
   std::string kernel_message_suffix;
+  // Profiling: one slot per worker, claimed when the worker joins the dispatch.
+  std::vector<std::unique_ptr<WorkerProfile>> profiles;
+  std::atomic<size_t> next_profile{0};
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -204,16 +340,18 @@ struct Worker {
   void* altstack = nullptr;
   void* asan_sched_bottom = nullptr;
   size_t asan_sched_size = 0;
+  WorkerProfile* prof = nullptr;  // set for profiled dispatches
 
-  Worker() {
-    arena = static_cast<unsigned char*>(std::aligned_alloc(64, kMaxThreadgroupMemory));
-  }
-  ~Worker() { std::free(arena); }
+  // `arena`: this worker's kMaxThreadgroupMemory bytes of threadgroup memory (owned by the pool,
+  // which keeps all workers' arenas in one block: one range for the profiler's window).
+  explicit Worker(unsigned char* threadgroup_memory) : arena(threadgroup_memory) {}
 
   bool run_group(uint64_t linear);
   void resume(Lane& l);
   bool resolve();
   void race_diff(Lane& l);
+  void profile_flush(uint32_t sg);
+  void profile_group_done();
   void fault_from_scheduler(int kind, const Lane* l, const char* file, int line, const char* fmt, ...)
       __attribute__((format(printf, 6, 7)));
 };
@@ -410,10 +548,35 @@ void rt_threadgroup_access(const void* p, size_t n, int kind, const char* file, 
   }
 }
 
+void rt_profile_access(const void* p, size_t n, int kind) {
+  Worker* w = t_worker;
+  if (!w || !w->prof) return;
+  Lane* l = w->current;
+  if (!l || (w->prof->muted > 0 && !(kind & BNB_EMU_PROFILE_FORCED))) return;
+  kind &= BNB_EMU_PROFILE_KIND_MASK;
+  auto a = reinterpret_cast<uintptr_t>(p), arena = reinterpret_cast<uintptr_t>(w->arena);
+  if (a >= arena && a < arena + w->arena_used) {
+    ProfileResult& r = w->prof->r;
+    (kind == BNB_EMU_PROFILE_STORE ? r.threadgroup_store_bytes
+                                   : kind == BNB_EMU_PROFILE_ATOMIC ? r.threadgroup_atomic_bytes : r.threadgroup_load_bytes) += n;
+    return;
+  }
+  w->prof->record(w->prof->accesses[l->index], a, n, kind);
+}
+
+void rt_profile_mute(int on) {
+  Worker* w = t_worker;
+  if (w && w->prof && w->current) w->prof->muted += on ? 1 : -1;
+}
+
+// The profiler's window (bnb_emu_profile_window), set by Pool::run for the dispatch it runs.
+volatile bnb_emu_profile_window g_window = {0, 0, 0, 0};
+
 const bnb_emu_runtime g_table = {
     BNB_EMU_ABI_VERSION,  rt_lane,    rt_buffer,
     rt_threadgroup_alloc, rt_barrier, rt_simd_collective,
-    rt_threadgroup_access, rt_fail,
+    rt_threadgroup_access, rt_fail, rt_profile_access,
+    rt_profile_mute,      &g_window,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -503,6 +666,21 @@ void Worker::fault_from_scheduler(int kind, const Lane* l, const char* file, int
     pending.lane = l->pub;
   }
   has_pending = true;
+}
+
+void Worker::profile_flush(uint32_t sg) {
+  uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+  prof->flush(lo, hi - lo);
+}
+
+void Worker::profile_group_done() {
+  for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg) profile_flush(sg);
+  ProfileResult& r = prof->r;
+  ++r.threadgroups;
+  r.threads += nlanes;
+  r.barriers += prof->group_barriers;
+  r.barriers_max = std::max(r.barriers_max, prof->group_barriers);
+  r.threadgroup_memory_max = std::max<uint64_t>(r.threadgroup_memory_max, arena_used);
 }
 
 void Worker::resume(Lane& l) {
@@ -608,6 +786,10 @@ bool Worker::resolve() {
                            where(barrier->file, barrier->line).c_str());
       return false;
     }
+    if (prof) {
+      profile_flush(sg);
+      ++prof->r.collectives;
+    }
     if (first->resolver) first->resolver(ops, res, mask);
     for (uint32_t i = lo; i < hi; ++i)
       if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
@@ -647,6 +829,10 @@ bool Worker::resolve() {
                          "threadgroup has already returned (%s)",
                          where(first->file, first->line).c_str(), pos);
     return false;
+  }
+  if (prof) {
+    for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg) profile_flush(sg);
+    ++prof->group_barriers;
   }
   for (uint32_t i = 0; i < nlanes; ++i)
     if (lanes[i].state == AT_BARRIER) lanes[i].state = RUNNABLE;
@@ -717,6 +903,13 @@ bool Worker::run_group(uint64_t linear) {
   order.resize(nlanes);
   for (uint32_t i = 0; i < nlanes; ++i) order[i] = q.order == LaneOrder::Reverse ? nlanes - 1 - i : i;
   rng = q.seed * 0x2545F4914F6CDD1Dull + linear;
+  if (prof) {
+    ++prof->token;
+    prof->group_barriers = 0;
+    prof->muted = 0;
+    if (prof->accesses.size() < nlanes) prof->accesses.resize(nlanes);
+    for (uint32_t i = 0; i < nlanes; ++i) prof->accesses[i].clear();
+  }
 
   for (;;) {
     if (q.order == LaneOrder::Random)
@@ -732,7 +925,10 @@ bool Worker::run_group(uint64_t linear) {
     if (!any) {
       bool all_done = true;
       for (uint32_t i = 0; i < nlanes && all_done; ++i) all_done = lanes[i].state == DONE;
-      if (all_done) return true;
+      if (all_done) {
+        if (prof) profile_group_done();
+        return true;
+      }
     }
     if (!resolve()) return false;
   }
@@ -744,12 +940,20 @@ bool Worker::run_group(uint64_t linear) {
 class Pool {
  public:
   explicit Pool(unsigned n) {
-    for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { loop(); });
+    arenas_ = static_cast<unsigned char*>(std::aligned_alloc(64, n * kMaxThreadgroupMemory));
+    for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this, i] { loop(arenas_ + i * kMaxThreadgroupMemory); });
   }
   unsigned size() const { return unsigned(threads_.size()); }
+  uintptr_t arenas() const { return reinterpret_cast<uintptr_t>(arenas_); }
 
-  void run(Dispatch* d) {
+  void run(Dispatch* d, const bnb_emu_profile_window* window) {
     std::lock_guard<std::mutex> serial(run_mu_);
+    if (window) {
+      g_window.buffers_lo = window->buffers_lo;
+      g_window.buffers_size = window->buffers_size;
+      g_window.threadgroup_lo = window->threadgroup_lo;
+      g_window.threadgroup_size = window->threadgroup_size;
+    }
     std::unique_lock<std::mutex> lk(mu_);
     job_ = d;
     active_ = size();
@@ -757,11 +961,13 @@ class Pool {
     cv_.notify_all();
     done_cv_.wait(lk, [&] { return active_ == 0; });
     job_ = nullptr;
+    g_window.buffers_size = 0;
+    g_window.threadgroup_size = 0;
   }
 
  private:
-  void loop() {
-    Worker w;
+  void loop(unsigned char* arena) {
+    Worker w(arena);
     t_worker = &w;
     // Alternate signal stack: a lane that overflows its stack faults with no stack left.
     size_t alt = 256 * 1024;
@@ -781,6 +987,11 @@ class Pool {
         d = job_;
       }
       w.d = d;
+      w.prof = nullptr;
+      if (d->req->profiling) {
+        size_t slot = d->next_profile.fetch_add(1);
+        if (slot < d->profiles.size()) w.prof = d->profiles[slot].get();
+      }
       for (;;) {
         if (d->failed.load(std::memory_order_relaxed)) break;
         uint64_t i = d->next.fetch_add(1, std::memory_order_relaxed);
@@ -797,6 +1008,7 @@ class Pool {
         }
       }
       w.d = nullptr;
+      w.prof = nullptr;
       {
         std::lock_guard<std::mutex> lk(mu_);
         if (--active_ == 0) done_cv_.notify_all();
@@ -810,6 +1022,7 @@ class Pool {
   Dispatch* job_ = nullptr;
   unsigned active_ = 0;
   uint64_t generation_ = 0;
+  unsigned char* arenas_ = nullptr;  // never freed, like the pool
 };
 
 Pool& pool() {
@@ -941,6 +1154,83 @@ bool bind_buffers(const LaunchRequest& q, Dispatch& d, GuardedMemory& gm, bool a
   return true;
 }
 
+// One worker's profile state for dispatch `d` (buffers bound, request validated).
+std::unique_ptr<WorkerProfile> make_profile(const LaunchRequest& q, const Dispatch& d) {
+  auto p = std::make_unique<WorkerProfile>();
+  p->line_bytes = q.line_bytes;
+  p->line_shift = uint32_t(__builtin_ctz(q.line_bytes));
+  for (size_t i = 0; i < q.profile.size() && i < d.bindings.size(); ++i) {
+    const Binding& b = d.bindings[i];
+    if (!q.profile[i].counted || b.size == 0) continue;
+    BufferState s;
+    s.binding = int(i);
+    s.lo = reinterpret_cast<uintptr_t>(b.dev);
+    s.size = b.size;
+    s.offset = q.profile[i].line_offset % q.line_bytes;
+    s.touched.assign((b.size + 63) / 64, 0);
+    s.stamp.assign((b.size + s.offset + q.line_bytes - 1) / q.line_bytes + 1, 0);
+    p->lo = std::min(p->lo, s.lo);
+    p->hi = std::max(p->hi, s.lo + s.size);
+    p->bufs.push_back(std::move(s));
+  }
+  return p;
+}
+
+// Lines of `line_bytes` holding at least one set bit of `touched` (bytes shifted by `offset`).
+uint64_t lines_touched(const std::vector<uint64_t>& touched, size_t size, uint32_t offset, uint32_t line_bytes) {
+  uint64_t lines = 0;
+  size_t b = 0;
+  while (b < size) {
+    size_t w = b >> 6;
+    uint64_t bits = touched[w] & (~uint64_t(0) << (b & 63));
+    while (!bits && ++w < touched.size()) bits = touched[w];
+    if (!bits) break;
+    size_t hit = (w << 6) + size_t(__builtin_ctzll(bits));
+    if (hit >= size) break;
+    ++lines;
+    b = ((hit + offset) / line_bytes + 1) * line_bytes - offset;  // first byte of the next line
+  }
+  return lines;
+}
+
+ProfileResult merge_profiles(const LaunchRequest& q, const Dispatch& d) {
+  ProfileResult out;
+  out.buffers.assign(q.buffers.size(), BufferTraffic{});
+  std::vector<uint64_t> touched;
+  for (size_t slot = 0; d.profiles.size() && slot < d.profiles[0]->bufs.size(); ++slot) {
+    const BufferState& first = d.profiles[0]->bufs[slot];
+    BufferTraffic& t = out.buffers[size_t(first.binding)];
+    touched.assign(first.touched.size(), 0);
+    for (const auto& p : d.profiles) {
+      const BufferState& b = p->bufs[slot];
+      t.load_bytes += b.t.load_bytes;
+      t.store_bytes += b.t.store_bytes;
+      t.atomic_bytes += b.t.atomic_bytes;
+      t.accesses += b.t.accesses;
+      t.lines_summed += b.t.lines_summed;
+      t.transactions += b.t.transactions;
+      for (size_t i = 0; i < touched.size(); ++i) touched[i] |= b.touched[i];
+    }
+    for (uint64_t word : touched) t.unique_bytes += uint64_t(__builtin_popcountll(word));
+    t.lines = lines_touched(touched, first.size, first.offset, q.line_bytes);
+  }
+  for (const auto& p : d.profiles) {
+    const ProfileResult& r = p->r;
+    out.instructions += r.instructions;
+    out.transactions += r.transactions;
+    out.threadgroups += r.threadgroups;
+    out.threads += r.threads;
+    out.barriers += r.barriers;
+    out.barriers_max = std::max(out.barriers_max, r.barriers_max);
+    out.collectives += r.collectives;
+    out.threadgroup_memory_max = std::max(out.threadgroup_memory_max, r.threadgroup_memory_max);
+    out.threadgroup_load_bytes += r.threadgroup_load_bytes;
+    out.threadgroup_store_bytes += r.threadgroup_store_bytes;
+    out.threadgroup_atomic_bytes += r.threadgroup_atomic_bytes;
+  }
+  return out;
+}
+
 std::string args_text(const std::vector<int>& args) {
   std::string s;
   for (size_t i = 0; i < args.size(); ++i) s += (i ? ", " : "") + std::string("buffer(") + std::to_string(args[i]) + ")";
@@ -980,6 +1270,14 @@ LaunchResult launch(const LaunchRequest& q) {
     return fail(BNB_EMU_LIMIT_EXCEEDED, "threadgroup of " + std::to_string(per_group) +
                                             " threads exceeds the Metal limit of 1024 threads per threadgroup");
   uint64_t groups = uint64_t(q.groups[0]) * q.groups[1] * q.groups[2];
+  if (q.profiling) {
+    if (q.line_bytes < 16 || (q.line_bytes & (q.line_bytes - 1)))
+      return fail(BNB_EMU_KERNEL_ERROR, "profile line size must be a power of two >= 16");
+    if (q.profile.size() != q.buffers.size())
+      return fail(BNB_EMU_KERNEL_ERROR, "profile: one entry per buffer expected");
+    if (q.buffers.size() > 255) return fail(BNB_EMU_KERNEL_ERROR, "profile: at most 255 buffers");
+    res.profile.buffers.assign(q.buffers.size(), BufferTraffic{});
+  }
   if (groups == 0) return res;
 
   for (bool aligned : {false, true}) {
@@ -993,8 +1291,19 @@ LaunchResult launch(const LaunchRequest& q) {
     GuardedMemory gm;
     std::string err;
     if (!bind_buffers(q, d, gm, aligned, err)) return fail(BNB_EMU_KERNEL_ERROR, err);
+    bnb_emu_profile_window window{0, 0, 0, 0};
+    if (q.profiling) {
+      for (unsigned i = 0; i < pool().size(); ++i) d.profiles.push_back(make_profile(q, d));
+      const WorkerProfile& p = *d.profiles[0];
+      if (p.hi > p.lo) {
+        window.buffers_lo = p.lo;
+        window.buffers_size = p.hi - p.lo;
+      }
+      window.threadgroup_lo = pool().arenas();
+      window.threadgroup_size = pool().size() * kMaxThreadgroupMemory;
+    }
     install_handlers();
-    pool().run(&d);
+    pool().run(&d, q.profiling ? &window : nullptr);
     if (d.have_fault) {
       RawFault& f = d.fault;
       res.kind = f.kind;
@@ -1052,6 +1361,7 @@ LaunchResult launch(const LaunchRequest& q) {
     }
     for (const auto& r : gm.regions)
       if (r.writable && r.size) std::memcpy(reinterpret_cast<void*>(r.host), r.dev, r.size);
+    if (q.profiling) res.profile = merge_profiles(q, d);
     return res;
   }
   return res;

@@ -21,6 +21,33 @@ struct HostBuffer {
   bool writable = true;
 };
 
+// Profiling (bnb_mps.emulator's Library.profile): how each binding is counted.
+struct ProfileBinding {
+  bool counted = false;     // a buffer argument; scalars (Metal's setBytes) are not memory traffic
+  uint32_t line_offset = 0; // where the binding starts relative to a line boundary on the GPU
+};
+
+// What one counted binding saw during a profiled dispatch (lines are line_bytes long).
+struct BufferTraffic {
+  uint64_t load_bytes = 0, store_bytes = 0, atomic_bytes = 0;
+  uint64_t accesses = 0;       // device accesses (loads, stores, atomics) into this binding
+  uint64_t unique_bytes = 0;   // distinct bytes touched
+  uint64_t lines = 0;          // distinct lines touched
+  uint64_t lines_summed = 0;   // distinct lines touched by each threadgroup, summed over threadgroups
+  uint64_t transactions = 0;   // lines touched by SIMD-group memory instructions, summed over them
+};
+
+struct ProfileResult {
+  std::vector<BufferTraffic> buffers;  // one per binding (all zero for uncounted ones)
+  uint64_t instructions = 0;           // SIMD-group memory instructions
+  uint64_t transactions = 0;           // sum of buffers[].transactions
+  uint64_t threadgroups = 0, threads = 0;
+  uint64_t barriers = 0, barriers_max = 0;  // barriers executed: in all, most in one threadgroup
+  uint64_t collectives = 0;                 // SIMD-group collectives executed (once per simdgroup)
+  uint64_t threadgroup_memory_max = 0;      // largest threadgroup allocation of one threadgroup
+  uint64_t threadgroup_load_bytes = 0, threadgroup_store_bytes = 0, threadgroup_atomic_bytes = 0;
+};
+
 struct LaunchRequest {
   bnb_emu_kernel_fn fn = nullptr;
   std::string kernel;
@@ -32,6 +59,10 @@ struct LaunchRequest {
   uint64_t seed = 0;
   uint8_t poison = 0xFF;
   bool race_check = false;
+  // Profiling: needs a module built with BNB_EMU_PROFILE; one entry per buffer.
+  bool profiling = false;
+  uint32_t line_bytes = 128;
+  std::vector<ProfileBinding> profile;
 };
 
 struct LaunchResult {
@@ -40,6 +71,7 @@ struct LaunchResult {
   std::string where;        // "file:line" of the construct, when known
   std::string object_path;  // the shared object holding the faulting instruction, if any
   uintptr_t pc_offset = 0;  // its offset in that object (for addr2line)
+  ProfileResult profile;    // when profiling and kind == BNB_EMU_OK
 };
 
 // Runs the dispatch on the worker pool; blocks until it finishes.

@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BNB_EMU_ABI_VERSION 3
+#define BNB_EMU_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -56,6 +56,25 @@ enum {
 /* Race-checker access kinds (only called by modules built with BNB_EMU_RACE_CHECK). */
 enum { BNB_EMU_ACCESS_READ = 0, BNB_EMU_ACCESS_ATOMIC = 1 };
 
+/* Profiler access kinds (only called by modules built with BNB_EMU_PROFILE). FORCED: record the
+ * access even while the lane is muted (the shim reports what an operation it emulates with other
+ * accesses, e.g. simdgroup_load, really moves). */
+enum {
+  BNB_EMU_PROFILE_LOAD = 0,
+  BNB_EMU_PROFILE_STORE = 1,
+  BNB_EMU_PROFILE_ATOMIC = 2,
+  BNB_EMU_PROFILE_KIND_MASK = 3,
+  BNB_EMU_PROFILE_FORCED = 4
+};
+
+/* Profiler: the memory a profiled dispatch counts, for a cheap first test in the kernel module's
+ * hooks (most instrumented accesses are to the stack). An address in neither range is neither a
+ * counted buffer nor threadgroup memory; sizes are 0 outside a profiled dispatch. */
+typedef struct bnb_emu_profile_window {
+  uintptr_t buffers_lo, buffers_size;         /* spans every counted buffer */
+  uintptr_t threadgroup_lo, threadgroup_size; /* spans every worker's threadgroup memory */
+} bnb_emu_profile_window;
+
 typedef struct bnb_emu_runtime {
   uint32_t abi_version;
   /* The calling simulated thread. */
@@ -75,6 +94,12 @@ typedef struct bnb_emu_runtime {
   void (*threadgroup_access)(const void* p, size_t n, int kind, const char* file, int line);
   /* Ends the calling simulated thread with a fault (never returns). */
   void (*fail)(int kind, const char* message, const char* file, int line);
+  /* Profiler: the calling lane accesses [p, p+n) (a BNB_EMU_PROFILE_* kind); ignored outside a
+   * profiled dispatch and for memory that is neither a bound buffer nor threadgroup memory. */
+  void (*profile_access)(const void* p, size_t n, int kind);
+  /* Profiler: while muted (on != 0), the calling lane's accesses are not recorded unless FORCED. */
+  void (*profile_mute)(int on);
+  const volatile bnb_emu_profile_window* profile_window;
 } bnb_emu_runtime;
 
 typedef void (*bnb_emu_kernel_fn)(void);

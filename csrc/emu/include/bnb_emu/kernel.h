@@ -153,6 +153,42 @@ struct kernel_registration {
 #define BNB_EMU_REGISTER_INSTANCE(host, ...)                                                        \
   static ::metal::emu::kernel_registration BNB_EMU_CAT(bnb_emu_kernel_, __COUNTER__)(host, [] { __VA_ARGS__(); });
 
+#if BNB_EMU_PROFILE
+// Profiling builds (bnb_mps.emulator's Library.profile) are compiled by clang with
+// -fsanitize-coverage=trace-loads,trace-stores: the compiler calls these before every load and
+// store of 1, 2, 4, 8 or 16 bytes that survives optimisation, with its address. They forward to
+// the runtime, which keeps those that fall into a bound buffer or threadgroup memory and
+// attributes them to the running lane. Not instrumented themselves (no_sanitize), or every call
+// would recurse. Addresses outside the profile window (the stack, the runtime's data) are dropped
+// here, without a call.
+namespace metal {
+namespace emu {
+__attribute__((no_sanitize("coverage"))) inline void profile_trace(const void* p, size_t size, int kind) {
+  if (!rt) return;  // static initialisers run before the runtime is known
+  const volatile bnb_emu_profile_window* w = rt->profile_window;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a - w->buffers_lo >= w->buffers_size && a - w->threadgroup_lo >= w->threadgroup_size) return;
+  rt->profile_access(p, size, kind);
+}
+}  // namespace emu
+}  // namespace metal
+#define BNB_EMU_TRACE(name, type, size, kind)                                                       \
+  extern "C" __attribute__((visibility("hidden"), no_sanitize("coverage"))) void __sanitizer_cov_##name(type* p) { \
+    ::metal::emu::profile_trace(p, size, kind);                                                     \
+  }
+BNB_EMU_TRACE(load1, uint8_t, 1, BNB_EMU_PROFILE_LOAD)
+BNB_EMU_TRACE(load2, uint16_t, 2, BNB_EMU_PROFILE_LOAD)
+BNB_EMU_TRACE(load4, uint32_t, 4, BNB_EMU_PROFILE_LOAD)
+BNB_EMU_TRACE(load8, uint64_t, 8, BNB_EMU_PROFILE_LOAD)
+BNB_EMU_TRACE(load16, __int128, 16, BNB_EMU_PROFILE_LOAD)
+BNB_EMU_TRACE(store1, uint8_t, 1, BNB_EMU_PROFILE_STORE)
+BNB_EMU_TRACE(store2, uint16_t, 2, BNB_EMU_PROFILE_STORE)
+BNB_EMU_TRACE(store4, uint32_t, 4, BNB_EMU_PROFILE_STORE)
+BNB_EMU_TRACE(store8, uint64_t, 8, BNB_EMU_PROFILE_STORE)
+BNB_EMU_TRACE(store16, __int128, 16, BNB_EMU_PROFILE_STORE)
+#undef BNB_EMU_TRACE
+#endif
+
 extern "C" __attribute__((visibility("default"))) uint32_t bnb_emu_module_init(const bnb_emu_runtime* r,
                                                                                 bnb_emu_add_kernel add, void* ctx) {
   ::metal::emu::rt = r;

@@ -26,13 +26,17 @@ template <class... A>
 using first_elem = typename vec_info<std::remove_cv_t<typename first_vec<A...>::type>>::elem;
 
 template <class F, class... A>
-inline auto vmap(F f, const A&... a) {
+inline auto vmap_operands(F f, const A&... a) {
   using E = first_elem<A...>;
   constexpr int n = width<A...>();
   using R = decltype(f(E(component(a, 0))...));
   vec<R, n> out;
   for (int i = 0; i < n; ++i) out.d[i] = f(E(component(a, i))...);
   return out;
+}
+template <class F, class... A>
+inline auto vmap(F f, const A&... a) {
+  return vmap_operands(f, operand(a)...);
 }
 template <class... A>
 constexpr bool any_vec = (is_vec<A> || ...) && ((is_vec<A> || is_scalar<A>)&&...);
@@ -361,7 +365,10 @@ inline T select(T a, T b, bool c) {
   return c ? b : a;
 }
 template <class A, class B, class C, std::enable_if_t<emu::is_vec<A> || emu::is_vec<B>, int> = 0>
-inline auto select(const A& a, const B& b, const C& c) {
+inline auto select(const A& a_, const B& b_, const C& c_) {
+  const auto& a = emu::operand(a_);
+  const auto& b = emu::operand(b_);
+  const auto& c = emu::operand(c_);
   using E = emu::first_elem<A, B>;
   constexpr int n = emu::width<A, B>();
   vec<E, n> out;

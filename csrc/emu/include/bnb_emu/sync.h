@@ -23,6 +23,29 @@ inline void threadgroup_touch(const volatile void* p, size_t n, int kind) {
 #endif
 }
 
+// --- profiler hooks (modules built with BNB_EMU_PROFILE; see kernel.h) ---------------------------
+
+#if BNB_EMU_PROFILE
+// Reports an access the shim makes on the kernel's behalf in another form (recorded even while
+// the lane is muted).
+inline void profile_access(const volatile void* p, size_t n, int kind) {
+  rt->profile_access(const_cast<const void*>(p), n, kind | BNB_EMU_PROFILE_FORCED);
+}
+// Hides the instrumented accesses of a scope (the shim's own way of emulating an operation) from
+// the profiler. The scope must not contain a yield point.
+struct profile_mute_scope {
+  profile_mute_scope() { rt->profile_mute(1); }
+  ~profile_mute_scope() { rt->profile_mute(0); }
+  profile_mute_scope(const profile_mute_scope&) = delete;
+  profile_mute_scope& operator=(const profile_mute_scope&) = delete;
+};
+#define BNB_EMU_PROFILE_MUTE ::metal::emu::profile_mute_scope bnb_emu_profile_mute_
+#define BNB_EMU_PROFILE_ACCESS(p, n, kind) ::metal::emu::profile_access(p, n, kind)
+#else
+#define BNB_EMU_PROFILE_MUTE (void)0
+#define BNB_EMU_PROFILE_ACCESS(p, n, kind) (void)0
+#endif
+
 constexpr uint32_t kSimdWidth = 32;
 
 template <class Op, class Out, class In>
@@ -309,6 +332,29 @@ inline void check_uniform(const char* what, const matrix_access& a, const char* 
              "simdgroup_matrix operation with arguments that differ between the lanes of the simdgroup", file,
              line);
 }
+// What a simdgroup_load / simdgroup_store moves, for the profiler: every lane here copies the
+// whole matrix, but the simdgroup moves each element once. Modelled as each lane moving its share
+// of the elements in row-major order (lane i: elements i*E .. i*E + E - 1 of the R x C matrix,
+// E = R*C/32; for 8x8, two adjacent elements of row i/4), as one access per contiguous run.
+template <class T, int C, int R>
+inline void profile_matrix_share(const volatile T* base, ulong elements_per_row, bool transpose, int kind) {
+#if BNB_EMU_PROFILE
+  constexpr int E = (R * C + 31) / 32;
+  const int first = int(lane().thread_index_in_simdgroup) * E;
+  for (int e = first; e < first + E && e < R * C; ++e) {
+    const ulong r = ulong(e / C), c = ulong(e % C);
+    const volatile T* p = transpose ? base + c * elements_per_row + r : base + r * elements_per_row + c;
+    if (!transpose && e + 1 < first + E && e + 1 < R * C && (e + 1) % C != 0) {
+      profile_access(p, 2 * sizeof(T), kind);  // two adjacent elements of one row
+      ++e;
+    } else {
+      profile_access(p, sizeof(T), kind);
+    }
+  }
+#else
+  (void)base, (void)elements_per_row, (void)transpose, (void)kind;
+#endif
+}
 }  // namespace emu
 
 template <class T, int C, int R>
@@ -318,12 +364,16 @@ inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const volatile typename
   emu::check_uniform("simdgroup_load", emu::matrix_access{src, elements_per_row, origin.x, origin.y, ulong(transpose)},
                      file, line);
   const T* base = const_cast<const T*>(src) + origin.y * elements_per_row + origin.x;
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) {
-      const T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
-      emu::threadgroup_touch(p, sizeof(T), BNB_EMU_ACCESS_READ);
-      d.m[i][j] = *p;
-    }
+  {
+    BNB_EMU_PROFILE_MUTE;
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) {
+        const T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
+        emu::threadgroup_touch(p, sizeof(T), BNB_EMU_ACCESS_READ);
+        d.m[i][j] = *p;
+      }
+  }
+  emu::profile_matrix_share<T, C, R>(base, elements_per_row, transpose, BNB_EMU_PROFILE_LOAD);
 }
 template <class T, int C, int R>
 inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, volatile typename emu::identity<T>::type* dst,
@@ -332,11 +382,15 @@ inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, volatile typenam
   emu::check_uniform("simdgroup_store", emu::matrix_access{dst, elements_per_row, origin.x, origin.y, ulong(transpose)},
                      file, line);
   T* base = const_cast<T*>(dst) + origin.y * elements_per_row + origin.x;
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) {
-      T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
-      *p = a.m[i][j];
-    }
+  {
+    BNB_EMU_PROFILE_MUTE;
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) {
+        T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
+        *p = a.m[i][j];
+      }
+  }
+  emu::profile_matrix_share<T, C, R>(base, elements_per_row, transpose, BNB_EMU_PROFILE_STORE);
 }
 // d = a * b + c, accumulated in float in k order.
 template <class TD, class TA, class TB, class TC, int M, int N, int K>
@@ -385,13 +439,18 @@ typedef atomic<ulong> atomic_ulong;
 typedef atomic<long> atomic_long;
 
 namespace emu {
+// Callers of atomic_ptr hold BNB_EMU_PROFILE_MUTE: the profiler sees one access per atomic
+// operation (of `kind`), not the loads and compare-exchange loop that emulate it.
 template <class T>
-inline T* atomic_ptr(const volatile atomic<T>* a) {
+inline T* atomic_ptr(const volatile atomic<T>* a, int kind = BNB_EMU_PROFILE_ATOMIC) {
   threadgroup_touch(a, sizeof(T), BNB_EMU_ACCESS_ATOMIC);
+  BNB_EMU_PROFILE_ACCESS(a, sizeof(T), kind);
+  (void)kind;
   return const_cast<T*>(&a->value);
 }
 template <class T, class F>
 inline T atomic_update(const volatile atomic<T>* a, F f) {
+  BNB_EMU_PROFILE_MUTE;
   T* p = atomic_ptr(a);
   T old = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (!__atomic_compare_exchange_n(p, &old, f(old), true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
@@ -402,25 +461,30 @@ inline T atomic_update(const volatile atomic<T>* a, F f) {
 
 template <class T, class U>
 inline void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
-  __atomic_store_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
+  BNB_EMU_PROFILE_MUTE;
+  __atomic_store_n(emu::atomic_ptr(a, BNB_EMU_PROFILE_STORE), T(v), __ATOMIC_SEQ_CST);
 }
 template <class T>
 inline T atomic_load_explicit(const volatile atomic<T>* a, memory_order) {
-  return __atomic_load_n(emu::atomic_ptr(a), __ATOMIC_SEQ_CST);
+  BNB_EMU_PROFILE_MUTE;
+  return __atomic_load_n(emu::atomic_ptr(a, BNB_EMU_PROFILE_LOAD), __ATOMIC_SEQ_CST);
 }
 template <class T, class U>
 inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
+  BNB_EMU_PROFILE_MUTE;
   return __atomic_exchange_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
 }
 template <class T, class U>
 inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expected, U desired, memory_order,
                                                   memory_order) {
+  BNB_EMU_PROFILE_MUTE;
   return __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false, __ATOMIC_SEQ_CST,
                                      __ATOMIC_SEQ_CST);
 }
 template <class T, class U>
 inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* a, T* expected, U desired, memory_order,
                                                     memory_order) {
+  BNB_EMU_PROFILE_MUTE;
   return __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false, __ATOMIC_SEQ_CST,
                                      __ATOMIC_SEQ_CST);
 }

@@ -164,6 +164,24 @@ inline auto component(const V& v, int i) {
   }
 }
 
+// An operand of a vector operation. Profiling builds copy a vector operand first, so that an
+// operand read straight from device memory (`p[i] * 2.0f`) is one vector access, not one access
+// per component; elsewhere this is the operand itself.
+#if BNB_EMU_PROFILE
+template <class A>
+inline auto operand(const A& a) {
+  if constexpr (is_vec<A>)
+    return vec_of<A>(a);
+  else
+    return a;
+}
+#else
+template <class A>
+inline const A& operand(const A& a) {
+  return a;
+}
+#endif
+
 template <class A>
 constexpr int components() {
   if constexpr (is_vec<A>)
@@ -205,10 +223,31 @@ struct vec_storage;
 
 #include "swizzles.inc"
 
+#if BNB_EMU_PROFILE
+// Profiling builds copy a whole vector as one LLVM vector value, so that the compiler's load/store
+// instrumentation sees `uchar4 x = *p` as one 4-byte access and `uint4` as one 16-byte access
+// (as the GPU loads them), not as one access per component. 32-byte vectors (long4, ulong4) are
+// two 16-byte halves: the instrumentation reports accesses of at most 16 bytes.
+template <size_t S>
+struct vec_bits {
+  typedef unsigned char type __attribute__((vector_size(S)));
+};
+template <>
+struct vec_bits<32> {
+  struct type {
+    vec_bits<16>::type lo, hi;
+  };
+};
+#define BNB_EMU_VEC_BITS(count) typename ::metal::emu::vec_bits<sizeof(T) * (count)>::type bits;
+#else
+#define BNB_EMU_VEC_BITS(count)
+#endif
+
 template <class T>
 struct alignas(sizeof(T) * 2) vec_storage<T, 2> {
   union {
     T d[2];
+    BNB_EMU_VEC_BITS(2)
     struct {
       T x, y;
     };
@@ -222,6 +261,7 @@ template <class T>
 struct alignas(sizeof(T) * 4) vec_storage<T, 3> {
   union {
     T d[4];
+    BNB_EMU_VEC_BITS(4)
     struct {
       T x, y, z;
     };
@@ -235,6 +275,7 @@ template <class T>
 struct alignas(sizeof(T) * 4) vec_storage<T, 4> {
   union {
     T d[4];
+    BNB_EMU_VEC_BITS(4)
     struct {
       T x, y, z, w;
     };
@@ -253,6 +294,13 @@ struct vec : vec_storage<T, N> {
   using vec_storage<T, N>::d;
 
   vec() : vec_storage<T, N>{} {}
+#if BNB_EMU_PROFILE
+  vec(const vec& o) : vec_storage<T, N>{} { this->bits = o.bits; }
+  vec& operator=(const vec& o) {
+    this->bits = o.bits;
+    return *this;
+  }
+#else
   vec(const vec& o) : vec_storage<T, N>{} {
     for (int i = 0; i < storage_count<N>; ++i) d[i] = o.d[i];
   }
@@ -260,6 +308,7 @@ struct vec : vec_storage<T, N> {
     for (int i = 0; i < storage_count<N>; ++i) d[i] = o.d[i];
     return *this;
   }
+#endif
   // Splat: float4 v = 1.0f;
   template <class S, std::enable_if_t<is_scalar<S>, int> = 0>
   vec(S s) : vec_storage<T, N>{} {
@@ -408,8 +457,10 @@ constexpr bool vec_operands = (is_vec<A> || is_vec<B>)&&(is_vec<A> || is_scalar<
 
 #define BNB_EMU_VEC_BINOP(op)                                                                       \
   template <class A, class B, std::enable_if_t<::metal::emu::vec_operands<A, B>, int> = 0>          \
-  inline typename ::metal::emu::binary_vec<A, B>::type operator op(const A& a, const B& b) {        \
+  inline typename ::metal::emu::binary_vec<A, B>::type operator op(const A& a_, const B& b_) {      \
     using BV = ::metal::emu::binary_vec<A, B>;                                                      \
+    const auto& a = ::metal::emu::operand(a_);                                                      \
+    const auto& b = ::metal::emu::operand(b_);                                                      \
     using E = typename BV::elem;                                                                    \
     typename BV::type out;                                                                          \
     for (int i = 0; i < BV::n; ++i)                                                                 \
@@ -418,8 +469,10 @@ constexpr bool vec_operands = (is_vec<A> || is_vec<B>)&&(is_vec<A> || is_scalar<
   }
 #define BNB_EMU_VEC_CMPOP(op)                                                                       \
   template <class A, class B, std::enable_if_t<::metal::emu::vec_operands<A, B>, int> = 0>          \
-  inline typename ::metal::emu::binary_vec<A, B>::mask operator op(const A& a, const B& b) {        \
+  inline typename ::metal::emu::binary_vec<A, B>::mask operator op(const A& a_, const B& b_) {      \
     using BV = ::metal::emu::binary_vec<A, B>;                                                      \
+    const auto& a = ::metal::emu::operand(a_);                                                      \
+    const auto& b = ::metal::emu::operand(b_);                                                      \
     using E = typename BV::elem;                                                                    \
     typename BV::mask out;                                                                          \
     for (int i = 0; i < BV::n; ++i)                                                                 \

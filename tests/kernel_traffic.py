@@ -1,0 +1,205 @@
+"""The memory-traffic regression gate's cases and table (tests/kernel_traffic.md).
+
+Each case is one op call on fixed inputs, run through the project's kernels under the emulator's
+profiler (`bnb_mps.testing.use_emulated_kernels(profile=True)`); its figures (lines touched,
+lines summed over threadgroups, SIMD-group transactions, coalescing efficiency, traffic
+efficiency against the bytes the op must move) are recorded in kernel_traffic.md, and
+test_kernel_traffic.py fails when a kernel does worse than its row.
+
+Adding a kernel: register a case below (a function returning the op call, and the bytes the op
+must move), then print its row and paste it into the table, or rewrite the table:
+
+    python tests/kernel_traffic.py            # prints the table as measured now
+    python tests/kernel_traffic.py --write    # rewrites tests/kernel_traffic.md with it
+
+When a kernel legitimately changes its traffic, refresh the table the same way and say why in the
+commit message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+TABLE = Path(__file__).resolve().with_name("kernel_traffic.md")
+
+
+@dataclass(frozen=True)
+class TrafficCase:
+    name: str
+    make: Callable[[], Callable[[], object]]  # builds the inputs (CPU), returns the op call
+    required_bytes: int  # what the op must read and write at least
+
+
+CASES: dict[str, TrafficCase] = {}
+
+
+def case(name: str, required_bytes: int):
+    """Registers `make` (a function returning the op call) as the case `name`."""
+
+    def register(make: Callable[[], Callable[[], object]]):
+        if name in CASES:
+            raise ValueError(f"duplicate traffic case {name!r}")
+        CASES[name] = TrafficCase(name, make, required_bytes)
+        return make
+
+    return register
+
+
+def _randn(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+_DT = {"f16": torch.float16, "f32": torch.float32}
+
+# -- blockwise 8-bit and 4-bit quantization (SPEC sections 2, 3) ----------------------------------------
+
+QUANT_N = 256 * 256  # representative: many threadgroups, small enough for CI
+TAIL_N = 10007  # not a multiple of any block or threadgroup: the tail paths
+
+
+def _quant_cases() -> None:
+    from bitsandbytes.functional import create_dynamic_map
+
+    code = create_dynamic_map(signed=True)
+    for dt, dtype in _DT.items():
+        item = dtype.itemsize
+        for n, bs in ((QUANT_N, 64), (QUANT_N, 4096), (TAIL_N, 64)):
+            blocks = math.ceil(n / bs)
+            size = f"n={n}"
+
+            # 8-bit: reads A and the 256-entry code, writes one byte per element and the absmax.
+            @case(f"quantize_blockwise {dt} bs{bs} {size}", item * n + 4 * 256 + n + 4 * blocks)
+            def _(n=n, bs=bs, dtype=dtype):
+                A = _randn(n, dtype)
+                return lambda: torch.ops.bitsandbytes.quantize_blockwise(A, code, bs)
+
+            @case(f"dequantize_blockwise {dt} bs{bs} {size}", n + 4 * 256 + 4 * blocks + item * n)
+            def _(n=n, bs=bs, dtype=dtype):
+                q, absmax = torch.ops.bitsandbytes.quantize_blockwise(_randn(n, torch.float32), code, bs)
+                return lambda: torch.ops.bitsandbytes.dequantize_blockwise(q, absmax, code, bs, dtype)
+
+        for n, bs, qt in ((QUANT_N, 64, "nf4"), (QUANT_N, 256, "nf4"), (QUANT_N, 64, "fp4"), (TAIL_N, 64, "nf4")):
+            blocks = math.ceil(n / bs)
+            packed = (n + 1) // 2
+            size = f"n={n}"
+
+            # 4-bit: reads A, writes half a byte per element and the absmax (the code is in the kernel).
+            @case(f"quantize_4bit {qt} {dt} bs{bs} {size}", item * n + packed + 4 * blocks)
+            def _(n=n, bs=bs, dtype=dtype, qt=qt):
+                A = _randn(n, dtype)
+                return lambda: torch.ops.bitsandbytes.quantize_4bit(A, bs, qt, torch.uint8)
+
+            @case(f"dequantize_4bit {qt} {dt} bs{bs} {size}", packed + 4 * blocks + item * n)
+            def _(n=n, bs=bs, dtype=dtype, qt=qt):
+                q, absmax = torch.ops.bitsandbytes.quantize_4bit(_randn(n, torch.float32), bs, qt, torch.uint8)
+                return lambda: torch.ops.bitsandbytes.dequantize_4bit(q, absmax, bs, qt, [n], dtype)
+
+
+_quant_cases()
+
+# -- the measurement and the table ----------------------------------------------------------------------
+
+COLUMNS = ("case", "kernels", "required bytes", "lines", "lines summed over threadgroups", "SIMD transactions",
+           "ideal", "coalescing efficiency", "traffic efficiency")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    kernels: str  # launched kernels, comma-separated
+    required_bytes: int
+    lines: int
+    lines_summed: int
+    transactions: int
+    ideal: float
+    coalescing: float  # ideal / transactions
+    traffic: float  # required bytes / traffic bytes (largest traffic term, bnb_mps.emulator.profile)
+
+    def cells(self) -> list[str]:
+        return [self.case, self.kernels, str(self.required_bytes), str(self.lines), str(self.lines_summed),
+                str(self.transactions), f"{self.ideal:.3f}".rstrip("0").rstrip("."), f"{self.coalescing:.3f}",
+                f"{self.traffic:.3f}"]  # fmt: skip
+
+    @classmethod
+    def from_cells(cls, cells: list[str]) -> "Row":
+        c = cells
+        return cls(c[0], c[1], int(c[2]), int(c[3]), int(c[4]), int(c[5]), float(c[6]), float(c[7]), float(c[8]))
+
+
+def measure(c: TrafficCase) -> Row:
+    """Runs the case's op once under the profiler and returns its row."""
+    from bnb_mps.emulator import summarize
+    from bnb_mps.testing import use_emulated_kernels
+
+    call = c.make()
+    with use_emulated_kernels(profile=True) as kernels:
+        call()
+    if not kernels.profiles:
+        raise AssertionError(f"{c.name}: the op launched no kernel")
+    s = summarize(kernels.profiles, c.required_bytes)
+    return Row(c.name, ", ".join(s["kernels"]), c.required_bytes, s["lines"], s["lines_summed_over_threadgroups"],
+               s["simd_transactions"], s["simd_transactions_ideal"], s["coalescing_efficiency"] or 0.0,
+               s["traffic_efficiency"] or 0.0)  # fmt: skip
+
+
+def render(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def read_table(path: Path = TABLE) -> dict[str, Row]:
+    """The recorded rows, by case name."""
+    rows: dict[str, Row] = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("| ") or line.startswith("| case |"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(COLUMNS):
+            raise ValueError(f"{path.name}: a row needs {len(COLUMNS)} cells: {line}")
+        row = Row.from_cells(cells)
+        if row.case in rows:
+            raise ValueError(f"{path.name}: case {row.case!r} recorded twice")
+        rows[row.case] = row
+    return rows
+
+
+def write_table(rows: list[Row], path: Path = TABLE) -> None:
+    """Replaces the table in `path` (the text around it stays)."""
+    text = path.read_text() if path.exists() else ""
+    table = render(rows)
+    block = re.compile(r"^\| case \|.*?(?=\n(?!\|)|\Z)", re.S | re.M)
+    text = block.sub(lambda _: table, text, count=1) if block.search(text) else text.rstrip() + "\n\n" + table
+    path.write_text(text.rstrip() + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description="Measure the traffic gate's cases and print (or write) the table.")
+    ap.add_argument("--write", action="store_true", help=f"rewrite {TABLE.name} with the measured rows")
+    ap.add_argument("-k", metavar="TEXT", help="only cases whose name contains TEXT (print only)")
+    ns = ap.parse_args(argv)
+    import bitsandbytes  # noqa: F401  (defines the ops)
+
+    names = [n for n in CASES if ns.k is None or ns.k in n]
+    rows = [measure(CASES[n]) for n in names]
+    if ns.write:
+        if ns.k:
+            ap.error("--write rewrites the whole table: do not combine it with -k")
+        write_table(rows)
+        print(f"wrote {len(rows)} rows to {TABLE}")
+    else:
+        print(render(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
