@@ -106,6 +106,58 @@ def _quant_cases() -> None:
 
 _quant_cases()
 
+# -- 4-bit matrix products (SPEC section 4): one case per kernel path, nested NF4 weight, fp16 ------------
+
+MATMUL_N, MATMUL_K = 128, 512
+
+
+def _matmul_cases() -> None:
+    from bitsandbytes.functional import create_dynamic_map
+
+    code = create_dynamic_map(signed=True)
+    N, K, bs = MATMUL_N, MATMUL_K, 64
+    nblocks = N * K // bs
+    for path, M in (("gemv", 1), ("batch", 8), ("mma", 64)):
+        # the packed weight, its 8-bit scales, their 256-blocks' scales, A, the output
+        required = N * K // 2 + nblocks + 4 * math.ceil(nblocks / 256) + 2 * M * K + 2 * M * N
+
+        @case(f"gemm_4bit {path} nf4 nested f16 M={M} {N}x{K}", required)
+        def _(M=M):
+            W = _randn(N * K, torch.float32, seed=1).reshape(N, K)
+            packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, bs, "nf4", torch.uint8)
+            offset = absmax.mean()
+            q8, nested = torch.ops.bitsandbytes.quantize_blockwise(absmax - offset, code, 256)
+            A = _randn(M * K, torch.float16, seed=2).reshape(M, K)
+            return lambda: torch.ops.bitsandbytes.gemm_4bit(A, packed, [N, K], nested, bs, "nf4", None, q8, code,
+                                                            offset)  # fmt: skip
+
+
+_matmul_cases()
+
+# -- LLM.int8() (SPEC section 6) ----------------------------------------------------------------------
+
+
+def _int8_cases() -> None:
+    M, N, K = 64, 128, 512
+    # row quantization: reads A (fp16), writes CA and the row statistics
+    @case(f"int8_vectorwise_quant f16 {M}x{K}", 2 * M * K + M * K + 4 * M)
+    def _():
+        A = _randn(M * K, torch.float16, seed=3).reshape(M, K)
+        return lambda: torch.ops.bitsandbytes.int8_vectorwise_quant(A, 0.0)
+
+    for m in (1, M):
+        # the fused product: reads both int8 operands and their statistics, writes the fp16 output
+        @case(f"int8_scaled_mm f16 M={m} {N}x{K}", m * K + N * K + 4 * (m + N) + 2 * m * N)
+        def _(m=m):
+            g = torch.Generator().manual_seed(m)
+            CA = torch.randint(-127, 128, (m, K), generator=g, dtype=torch.int8)
+            CB = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+            SCA, SCB = torch.rand(m, generator=g) + 0.5, torch.rand(N, generator=g) + 0.5
+            return lambda: torch.ops.bitsandbytes.int8_scaled_mm(CA, CB, SCA, SCB, None, torch.float16)
+
+
+_int8_cases()
+
 # -- the measurement and the table ----------------------------------------------------------------------
 
 COLUMNS = ("case", "kernels", "required bytes", "lines", "lines summed over threadgroups", "SIMD transactions",
