@@ -123,13 +123,31 @@ inline void bnb_store_bytes(device uchar* dst, uint idx, uint n, thread const ui
     }
 }
 
-// dst[idx .. idx + 8) = T(v[0..8)) for the indices below n, idx a multiple of 8: two vector
-// stores when all eight are in range.
+// Eight values at dst (16-byte aligned) with one 16-byte store for the 2-byte types (a simdgroup's
+// store instruction then covers 512 contiguous bytes, every line it touches full), two for float.
+inline void bnb_store8(device half* dst, thread const float* v) {
+    *reinterpret_cast<device uint4*>(dst) =
+        uint4(as_type<uint>(half2(half(v[0]), half(v[1]))), as_type<uint>(half2(half(v[2]), half(v[3]))),
+              as_type<uint>(half2(half(v[4]), half(v[5]))), as_type<uint>(half2(half(v[6]), half(v[7]))));
+}
+#if defined(__HAVE_BFLOAT__)
+inline void bnb_store8(device bfloat* dst, thread const float* v) {
+    *reinterpret_cast<device uint4*>(dst) =
+        uint4(as_type<uint>(bfloat2(bfloat(v[0]), bfloat(v[1]))), as_type<uint>(bfloat2(bfloat(v[2]), bfloat(v[3]))),
+              as_type<uint>(bfloat2(bfloat(v[4]), bfloat(v[5]))), as_type<uint>(bfloat2(bfloat(v[6]), bfloat(v[7]))));
+}
+#endif
+inline void bnb_store8(device float* dst, thread const float* v) {
+    *reinterpret_cast<device float4*>(dst) = float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<device float4*>(dst + 4) = float4(v[4], v[5], v[6], v[7]);
+}
+
+// dst[idx .. idx + 8) = T(v[0..8)) for the indices below n, idx a multiple of 8 (dst 16-byte
+// aligned): vector stores when all eight are in range.
 template <typename T>
 inline void bnb_store_run8(device T* dst, uint idx, uint n, thread const float* v) {
     if (idx + 8u <= n) {
-        *reinterpret_cast<device vec<T, 4>*>(dst + idx) = vec<T, 4>(T(v[0]), T(v[1]), T(v[2]), T(v[3]));
-        *reinterpret_cast<device vec<T, 4>*>(dst + idx + 4u) = vec<T, 4>(T(v[4]), T(v[5]), T(v[6]), T(v[7]));
+        bnb_store8(dst + idx, v);
     } else {
         for (uint k = 0; k < 8u; ++k) {
             if (idx + k < n) {
