@@ -172,6 +172,13 @@ def _vector_ok(t: torch.Tensor, extra_elements: int = 0) -> bool:
     return ((t.storage_offset() + extra_elements) * t.element_size()) % (4 * t.element_size()) == 0
 
 
+def _m2_vector_ok(state1: torch.Tensor, n: int) -> bool:
+    """AdEMAMix's m2 (state1 from element n on) takes vector accesses when state1's start does and
+    n keeps the vector alignment (not merely when state1 + n happens to be aligned: the kernels
+    are also checked under the emulator, which keeps a buffer's alignment only up to its start's)."""
+    return _vector_ok(state1) and _vector_ok(state1, n)
+
+
 class _InPlace:
     """Binds the tensors a kernel updates in place: flat views of contiguous ones; a contiguous
     copy of a non-contiguous one, written back by `finish()` (bitsandbytes passes contiguous
@@ -221,7 +228,7 @@ def optimizer_update_8bit_blockwise_kernel(
     q1 = flat(qmap1)
     q2 = flat(qmap2) if two else q1
     flags = _flags(step, skip_zeros, g=_vector_ok(gb), p=_vector_ok(pb), s1=_vector_ok(s1),
-                   s2=two and _vector_ok(s2), m2=mix and _vector_ok(s1, n))  # fmt: skip
+                   s2=two and _vector_ok(s2), m2=mix and _m2_vector_ok(s1, n))  # fmt: skip
     executor.launch(
         f"bnb_optimizer_8bit_{KERNEL_OPTIMIZER[optimizer_name]}_{DTYPE_NAMES[p.dtype]}",
         grid=(groups_8bit(n), 1, 1),
@@ -251,7 +258,7 @@ def optimizer_update_32bit_kernel(
     gb = flat(g)
     groups = groups_32bit(n)
     flags = _flags(step, skip_zeros, g=_vector_ok(gb), p=_vector_ok(pb), s1=_vector_ok(s1),
-                   s2=two and _vector_ok(s2), m2=mix and _vector_ok(s1, n))  # fmt: skip
+                   s2=two and _vector_ok(s2), m2=mix and _m2_vector_ok(s1, n))  # fmt: skip
     hyper = _hyper(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)
     name = f"{KERNEL_OPTIMIZER[optimizer_name]}_{DTYPE_NAMES[p.dtype]}"
     geometry = dict(grid=(groups, 1, 1), threadgroup=(THREADS, 1, 1))
