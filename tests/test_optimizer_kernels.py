@@ -34,6 +34,15 @@ POISONS = (0x00, 0xFF)
 OP8, OP32 = "optimizer_update_8bit_blockwise", "optimizer_update_32bit"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """torch's intra-op threads spinning next to the emulator's slow a 2-core machine down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def library():
     try:
