@@ -5,7 +5,9 @@ transformers' `optim="paged_adamw_8bit"` on mps. Skipped elsewhere.
 
 The deviations measured on a Mac are printed (`pytest -s`): SPEC allows 2 ulp on p, code
 differences near thresholds and 1 ulp on absmax; where the GPU computes exactly as the reference
-does, every figure is 0.
+does, every figure is 0. p's ulps are counted at the magnitude of the step's operands (old p, new
+p): random states make some updates nearly cancel p, and there a different rounding of the update
+(a fused multiply-add) would be many ulps of the tiny result but still a rounding of the operands.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def test_8bit_one_step(executor, name, dtype):
     for n, seed in ((3 * 256 + 77, 1), (1, 2), (40 * 256, 3)):
         args = oi.args_8bit(name, n, dtype, seed=seed)
         got = run(executor, OP8, args)
-        dev = oi.compare_8bit(got, R.optimizer_8bit(*oi.clone(args)))
+        dev = oi.compare_8bit(got, R.optimizer_8bit(*oi.clone(args)), p_before=args[2])
         print(f"{executor.name} 8-bit {name} {dtype} n={n}: {dev}")
         again = run(executor, OP8, args)  # the same bits every time
         assert all(torch.equal(a, b) for a, b in zip(got[2:5], again[2:5]) if isinstance(a, torch.Tensor))
@@ -66,7 +68,7 @@ def test_32bit_one_step(executor, name, dtype):
         args = oi.args_32bit(name, 2 * 2048 + 77, dtype, seed=4, max_unorm=max_unorm)
         got = run(executor, OP32, args)
         want = R.optimizer_32bit(*oi.clone(args))
-        dev = oi.compare_32bit(got, want, max_state_ulps=1 << 30)
+        dev = oi.compare_32bit(got, want, max_state_ulps=1 << 30, p_before=args[2])
         close_states_32(got, want)
         print(f"{executor.name} 32-bit {name} {dtype} clip={max_unorm}: {dev}")
 
@@ -79,7 +81,7 @@ def test_edge_cases(executor):
         g[256:] = 0.0
         for skip in (False, True):
             args = oi.args_8bit(name, 300, torch.float32, seed=6, g=g.clone(), skip_zeros=skip)
-            oi.compare_8bit(run(executor, OP8, args), R.optimizer_8bit(*oi.clone(args)))
+            oi.compare_8bit(run(executor, OP8, args), R.optimizer_8bit(*oi.clone(args)), p_before=args[2])
 
 
 def test_bitsandbytes_api_on_mps_uses_a_gpu_tier():
