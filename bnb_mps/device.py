@@ -341,6 +341,15 @@ def _op_tier(op: str) -> tuple:
     return tiers[op]
 
 
+def _paged_optimizers_on_mps() -> bool:
+    """bnb_mps' hook that runs bitsandbytes' paged optimizers on mps is installed."""
+    try:
+        from . import paged
+    except Exception:
+        return False
+    return paged.installed()
+
+
 def _bitsandbytes_finding() -> Finding:
     tiers, error = _backend_tiers()
     if error is not None:
@@ -468,9 +477,12 @@ def training_config(device: DeviceLike) -> dict:
     Keys: optim, fp16, bf16, dataloader_pin_memory, gradient_checkpointing,
     gradient_accumulation_steps.
 
-    - MPS: ``optim="adamw_bnb_8bit"`` exactly when bnb_mps serves
-      ``optimizer_update_8bit_blockwise`` on a GPU tier (native or shader), else
-      ``"adamw_torch"``; no fp16 (see check_mps_limitations); bf16 when MPS bf16 works here
+    - MPS: when bnb_mps serves ``optimizer_update_8bit_blockwise`` on a GPU tier (native or
+      shader), bitsandbytes' 8-bit AdamW: ``optim="paged_adamw_8bit"`` while bnb_mps' paged
+      hook is installed (on mps its states are plain device tensors, so it is the same
+      computation as ``"adamw_bnb_8bit"``, and the same arguments page on CUDA), else
+      ``"adamw_bnb_8bit"``; without a GPU tier ``"adamw_torch"``; no fp16 (see
+      check_mps_limitations); bf16 when MPS bf16 works here
       and torch >= 2.6 (bf16 autocast on MPS); gradient checkpointing and 4 accumulation
       steps, because unified memory is shared with the whole system.
     - CUDA: the bitsandbytes 8-bit AdamW when bitsandbytes imports; bf16 where the GPU
@@ -480,7 +492,10 @@ def training_config(device: DeviceLike) -> dict:
     dev = _as_device(device)
     if dev.type == "mps":
         tier, reason = _op_tier("optimizer_update_8bit_blockwise")
-        optim = "adamw_bnb_8bit" if tier in GPU_TIERS else "adamw_torch"
+        if tier in GPU_TIERS:
+            optim = "paged_adamw_8bit" if _paged_optimizers_on_mps() else "adamw_bnb_8bit"
+        else:
+            optim = "adamw_torch"
         logger.info("8-bit optimizer update on MPS is served by the %s tier (%s): optim=%s", tier, reason, optim)
         bf16 = mps_bf16_support()[0] == "yes" and _torch_version() >= (2, 6)
         return {

@@ -219,6 +219,8 @@ def _optimizer_32bit():
 def _optimizer_8bit():
     n = 700
     for name in OPTIMIZERS:
+        if name in ("lamb", "lars"):  # 32-bit only (the 8-bit op refuses them, as CUDA does)
+            continue
         for dtype in FLOATS:
             p = randn(n, dtype=dtype, seed=40)
             g = randn(n, dtype=dtype, seed=41, scale=0.1)

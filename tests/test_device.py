@@ -495,15 +495,31 @@ def test_training_config_fields_exist_in_transformers(monkeypatch, fake_cuda):
 
 
 @pytest.mark.parametrize(
-    "tier,optim",
-    [("native", "adamw_bnb_8bit"), ("shader", "adamw_bnb_8bit"), ("emulated", "adamw_torch"), ("cpu", "adamw_torch")],
-)
-def test_training_config_mps_optimizer_follows_tier(monkeypatch, tier, optim):
+    "tier,paged,optim",
+    [("native", True, "paged_adamw_8bit"), ("shader", True, "paged_adamw_8bit"),
+     ("native", False, "adamw_bnb_8bit"), ("shader", False, "adamw_bnb_8bit"),
+     ("emulated", True, "adamw_torch"), ("cpu", True, "adamw_torch"), ("cpu", False, "adamw_torch")],
+)  # fmt: skip
+def test_training_config_mps_optimizer_follows_tier(monkeypatch, tier, paged, optim):
     set_backend_info(monkeypatch, {"optimizer_update_8bit_blockwise": tier, "quantize_4bit": "native"})
+    monkeypatch.setattr(dev, "_paged_optimizers_on_mps", lambda: paged)
     cfg = dev.training_config("mps")
     assert cfg["optim"] == optim
     assert cfg["fp16"] is False and cfg["dataloader_pin_memory"] is False
     assert cfg["gradient_checkpointing"] is True and cfg["gradient_accumulation_steps"] > 1
+
+
+def test_paged_optimizers_on_mps_follows_the_hook():
+    from bnb_mps import paged
+
+    import bitsandbytes  # noqa: F401  (registers bnb_mps, which installs the hook)
+
+    assert dev._paged_optimizers_on_mps() is paged.installed() is True
+    bnb_mps.unregister()
+    try:
+        assert dev._paged_optimizers_on_mps() is False
+    finally:
+        bnb_mps.register()
 
 
 def test_training_config_mps_without_backend_info(monkeypatch):

@@ -3,8 +3,8 @@
 A tiny causal LM is built from a transformers config (no downloads), saved, and reloaded in 4-bit
 through `BitsAndBytesConfig`; then peft trains LoRA adapters on it with `bnb.optim.AdamW8bit`.
 Inside `use_emulated_kernels()` every quantize/dequantize op that bitsandbytes issues on a CPU
-tensor runs bnb_mps' Metal kernels; the other ops (GEMM composition, optimizer update) stay with
-bitsandbytes' CPU code. Results are checked against tests/spec_reference.py.
+tensor runs bnb_mps' Metal kernels, and so does the 8-bit optimizer update; the other ops (GEMM
+composition) stay with bitsandbytes' CPU code. Results are checked against tests/spec_reference.py.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def test_qlora_training_with_adamw8bit(saved_model):
             losses.append(loss.item())
     trained = set(kernels.launched[n_load:])
 
-    assert {"bnb_dequantize_4bit_nf4_f32", "bnb_dequantize_blockwise_f32"} <= trained
+    assert {"bnb_dequantize_4bit_nf4_f32", "bnb_dequantize_blockwise_f32", "bnb_optimizer_8bit_adam_f32"} <= trained
     assert all(math.isfinite(x) for x in losses), losses
     # LoRA's B starts at zero, so the first loss is the base model's: the SPEC-dequantized model's.
     with torch.no_grad():

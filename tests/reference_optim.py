@@ -1,0 +1,259 @@
+"""A plain reference of SPEC.md section 5 (the optimizer updates), independent of any kernel.
+
+Vectorised numpy in float32, one rounding per operation in the order SPEC writes the formulas;
+section 2's re-quantization comes from tests/spec_reference.py (SPEC sections 1-3). Tensors in and
+out are CPU torch tensors; nothing is updated in place: each function returns the new values.
+
+Readings of SPEC where it leaves room (the kernels follow the same ones):
+- Scalars: every hyperparameter is rounded to float32 first; bc1 = fl32(1 - fl32(beta1^step))
+  with the power correctly rounded, bc2 = fl32(sqrt(fl32(1 - fl32(beta2^step)))), and the
+  decoupled decay factor is fl32(1 - fl32(lr * weight_decay)).
+- "p - lr * a / d" is evaluated as p - fl32(fl32(lr * a) / d), a being m/bc1 (adam) or
+  m/bc1 + alpha*m2 (ademamix) or g' (rmsprop, adagrad); "(1-beta2)*g'*g'" left to right.
+- sign(x) is 0 for +-0 and NaN.
+- Re-quantization: SPEC section 2's index of fl32(x * fl32(1 / absmax)) (an all-zero block gives
+  index 0), then, for state1 (the signed states: m and AdEMAMix's m2), the sign fix on the sign
+  bits, stepping modulo 256. So +0.0 in an all-zero block is stored as 255 (code[0] is negative,
+  +0.0 is not, and 0 - 1 wraps), exactly as CUDA's kernel does; -0.0 stays at 0.
+- The update norm sums u^2 over the elements that are updated (a skipped zero gradient adds 0);
+  u is the update before the learning rate for every optimizer (lion: sign(...); ademamix:
+  (m/bc1 + alpha*m2) / (sqrt(v)/bc2 + eps)). The clipped step uses fl32(lr * scale); the
+  decoupled decay keeps the plain lr.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import spec_reference as sref
+
+F32 = np.float32
+BLOCK = 256
+TWO_STATE = ("adam", "lamb", "ademamix")
+ONE_STATE = ("momentum", "lars", "rmsprop", "adagrad", "lion")
+
+
+def f32(x) -> np.float32:
+    return F32(x)
+
+
+@dataclass
+class Hyper:
+    beta1: np.float32
+    beta2: np.float32
+    beta3: np.float32
+    alpha: np.float32
+    eps: np.float32
+    lr: np.float32
+    weight_decay: np.float32
+    gnorm_scale: np.float32
+    bc1: np.float32
+    bc2: np.float32
+    decay: np.float32
+    first_step: bool
+
+    @classmethod
+    def make(cls, beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step) -> "Hyper":
+        b1, b2, lr32, wd32 = f32(beta1), f32(beta2), f32(lr), f32(weight_decay)
+        bc1 = F32(1) - f32(float(b1) ** step)
+        bc2 = np.sqrt(F32(1) - f32(float(b2) ** step))
+        decay = F32(1) - lr32 * wd32
+        return cls(b1, b2, f32(beta3), f32(alpha), f32(eps), lr32, wd32, f32(gnorm_scale), F32(bc1), F32(bc2),
+                   F32(decay), step == 1)  # fmt: skip
+
+
+def _sign(x: np.ndarray) -> np.ndarray:
+    return np.where(x > 0, F32(1), np.where(x < 0, F32(-1), F32(0))).astype(F32)
+
+
+def element_update(name: str, g, p, m, v, m2, lr_step: np.float32, h: Hyper):
+    """SPEC 5.1 / 5.2 formulas on float32 arrays (all elements updated). Returns (p, m, v, m2, u)."""
+    with np.errstate(all="ignore"):
+        gs = g * h.gnorm_scale
+        one = F32(1)
+        if name in ("adam", "lamb", "ademamix"):
+            m = h.beta1 * m + (one - h.beta1) * gs
+            v = h.beta2 * v + (one - h.beta2) * gs * gs
+            num = m / h.bc1
+            if name == "ademamix":
+                m2 = h.beta3 * m2 + (one - h.beta3) * gs
+                num = num + h.alpha * m2
+            den = np.sqrt(v) / h.bc2 + h.eps
+            u = num / den
+            p = p - (lr_step * num) / den
+            if h.weight_decay > 0:
+                p = p * h.decay
+        elif name == "lion":
+            if h.weight_decay > 0:
+                p = p * h.decay
+            u = _sign(h.beta1 * m + (one - h.beta1) * gs)
+            m = h.beta2 * m + (one - h.beta2) * gs
+            p = p - lr_step * u
+        else:
+            gw = gs + h.weight_decay * p if h.weight_decay > 0 else gs
+            if name in ("momentum", "lars"):
+                m = gw.copy() if h.first_step else h.beta1 * m + gw
+                u = m
+                p = p - lr_step * m
+            else:
+                if name == "rmsprop":
+                    m = h.beta1 * m + (one - h.beta1) * gw * gw
+                else:  # adagrad
+                    m = m + gw * gw
+                den = np.sqrt(m) + h.eps
+                u = gw / den
+                p = p - (lr_step * gw) / den
+    return [np.asarray(x, dtype=F32) for x in (p, m, v, m2, u)]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().reshape(-1).to(torch.float32).numpy().copy()
+
+
+def _to(x: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=F32)).to(dtype).reshape(shape)
+
+
+# -- 8-bit ---------------------------------------------------------------------------------------
+
+
+def dequantize(codes: np.ndarray, absmax: np.ndarray, qmap: np.ndarray) -> np.ndarray:
+    """x_i = fl32(qmap[codes_i] * absmax[i // 256])."""
+    return qmap[codes] * np.repeat(absmax, BLOCK)[: codes.size]
+
+
+def requantize(x: np.ndarray, qmap: np.ndarray, signed: bool):
+    """SPEC 5.1 steps 3-4: new absmax per block, section 2's index, the sign fix for signed states.
+    Returns (codes uint8, absmax float32, scaled values s)."""
+    absmax = sref.blockwise_absmax(x, BLOCK)
+    s = sref.scaled_values(x, absmax, BLOCK)
+    q = sref.index_8bit(s, qmap).astype(np.int64)
+    if signed:
+        fix = np.signbit(qmap[q]) != np.signbit(x)
+        q = np.where(fix, np.where(x > 0, q + 1, q - 1) % 256, q)
+    return q.astype(np.uint8), absmax, s
+
+
+@dataclass
+class Result8:
+    p: torch.Tensor
+    state1: torch.Tensor
+    state2: torch.Tensor | None
+    absmax1: torch.Tensor
+    absmax2: torch.Tensor | None
+    # float32 values before re-quantization and their scaled values (to locate near-threshold codes)
+    values1: np.ndarray
+    scaled1: np.ndarray
+    values2: np.ndarray | None
+    scaled2: np.ndarray | None
+
+
+def optimizer_8bit(name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1,
+                   absmax2, weight_decay, gnorm_scale, skip_zeros=False) -> Result8:  # fmt: skip
+    """optimizer_update_8bit_blockwise per SPEC 5.1 (state tensors keep their shapes)."""
+    if name in ("lamb", "lars"):
+        raise ValueError(name)
+    n = p.numel()
+    nb = -(-n // BLOCK)
+    h = Hyper.make(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)
+    c1 = qmap1.numpy().astype(F32)
+    codes1 = state1.reshape(-1).numpy()
+    a1 = absmax1.reshape(-1).numpy().astype(F32)
+    gv, pv = _np(g), _np(p)
+    m = dequantize(codes1[:n], a1[:nb], c1)
+    mix = name == "ademamix"
+    a1_m2 = absmax1.shape[1] if mix and absmax1.dim() == 2 else nb
+    m2 = dequantize(codes1[n : 2 * n], a1[a1_m2 : a1_m2 + nb], c1) if mix else np.zeros(n, F32)
+    two = name in TWO_STATE
+    if two:
+        c2 = qmap2.numpy().astype(F32)
+        v = dequantize(state2.reshape(-1).numpy(), absmax2.reshape(-1).numpy().astype(F32)[:nb], c2)
+    else:
+        v = np.zeros(n, F32)
+    np_, nm, nv, nm2, _ = element_update(name, gv, pv, m, v, m2, h.lr, h)
+    if two:
+        ok = np.isfinite(gv)
+        np_ = np.where(ok, np_, pv)
+        nm, nv, nm2 = (np.where(ok, x, F32(0)).astype(F32) for x in (nm, nv, nm2))
+    else:
+        keep = (gv == 0) if skip_zeros else np.zeros(n, bool)
+        np_, nm = np.where(keep, pv, np_), np.where(keep, m, nm)
+    q1, na1, s1 = requantize(nm, c1, signed=True)
+    new_state1, new_absmax1 = state1.clone(), absmax1.clone()
+    flat1, flata1 = new_state1.view(-1), new_absmax1.view(-1)
+    flat1[:n] = torch.from_numpy(q1)
+    flata1[:nb] = torch.from_numpy(na1)
+    values1, scaled1 = nm, s1
+    if mix:
+        q3, na3, s3 = requantize(nm2, c1, signed=True)
+        flat1[n : 2 * n] = torch.from_numpy(q3)
+        flata1[a1_m2 : a1_m2 + nb] = torch.from_numpy(na3)
+        values1, scaled1 = np.concatenate([nm, nm2]), np.concatenate([s1, s3])
+    new_state2 = new_absmax2 = values2 = scaled2 = None
+    if two:
+        q2, na2, s2 = requantize(nv, c2, signed=False)
+        new_state2 = torch.from_numpy(q2).reshape(state2.shape)
+        new_absmax2 = absmax2.clone()
+        new_absmax2.view(-1)[:nb] = torch.from_numpy(na2)
+        values2, scaled2 = nv, s2
+    return Result8(_to(np_, p.dtype, p.shape), new_state1, new_state2, new_absmax1, new_absmax2, values1, scaled1,
+                   values2, scaled2)  # fmt: skip
+
+
+def near_threshold(scaled: np.ndarray, qmap: torch.Tensor, rel: float = 1e-6) -> np.ndarray:
+    """Elements whose scaled value lies within `rel` (relative) of a code threshold of qmap."""
+    t = sref.thresholds(qmap.numpy().astype(F32)).astype(np.float64)
+    s = scaled.astype(np.float64)
+    i = np.clip(np.searchsorted(t, s), 1, t.size - 1)
+    d = np.minimum(np.abs(s - t[i - 1]), np.abs(s - t[i]))
+    with np.errstate(invalid="ignore"):
+        return d <= rel * np.maximum(np.abs(s), 1e-30)
+
+
+# -- 32-bit --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result32:
+    p: torch.Tensor
+    state1: torch.Tensor
+    state2: torch.Tensor | None
+    unorm: float | None  # the sum of u^2 (float64 sum of float32 squares) when clipping
+
+
+def optimizer_32bit(name, g, p, state1, state2, unorm_vec, max_unorm, param_norm, beta1, beta2, beta3, alpha, eps,
+                    weight_decay, step, lr, gnorm_scale, skip_zeros=False) -> Result32:  # fmt: skip
+    """optimizer_update_32bit per SPEC 5.2."""
+    n = p.numel()
+    h = Hyper.make(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)
+    gv, pv = _np(g), _np(p)
+    s1 = _np(state1)
+    m, m2 = s1[:n], (s1[n : 2 * n] if name == "ademamix" else np.zeros(n, F32))
+    two = name in TWO_STATE
+    v = _np(state2) if two else np.zeros(n, F32)
+    skippable = name != "ademamix"
+    keep = (gv == 0) if (skip_zeros and skippable) else np.zeros(n, bool)
+    lr_step = h.lr
+    unorm = None
+    if max_unorm > 0:
+        *_, u = element_update(name, gv, pv, m, v, m2, h.lr, h)
+        u = np.where(keep, F32(0), u)
+        unorm = float(np.sum(u.astype(np.float64) ** 2))
+        norm = F32(math.sqrt(F32(unorm)))
+        max_norm = f32(max_unorm) * f32(param_norm)
+        if norm > max_norm:
+            lr_step = h.lr * (max_norm / norm)
+    np_, nm, nv, nm2, _ = element_update(name, gv, pv, m, v, m2, lr_step, h)
+    np_ = np.where(keep, pv, np_)
+    nm, nv, nm2 = np.where(keep, m, nm), np.where(keep, v, nv), np.where(keep, m2, nm2)
+    new1 = np.concatenate([nm, nm2]) if name == "ademamix" else nm
+    return Result32(
+        _to(np_, p.dtype, p.shape),
+        torch.from_numpy(new1.astype(F32)).reshape(state1.shape),
+        torch.from_numpy(nv.astype(F32)).reshape(state2.shape) if two else None,
+        unorm,
+    )
