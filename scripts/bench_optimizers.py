@@ -14,7 +14,7 @@ Elsewhere: no GPU time can be measured, and the script says so. It runs the same
 the emulated tier with small tensors and reports kernel launches per step, bytes allocated per
 step, and whether the op layer reads device data on the host (checked on `meta` tensors).
 
-    python scripts/bench_optimizers.py [--sizes 10M,100M,1B] [--dtype fp32|bf16] [--steps N]
+    python scripts/bench_optimizers.py [--sizes 10M,100M,1B] [--dtype fp32|bf16] [--steps N] [--short]
                                        [--json PATH] [--chart PATH] [--no-chart]
 """
 
@@ -254,7 +254,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--chart", metavar="PATH", default="bench_optimizers.png", help="PNG chart (Mac only)")
     parser.add_argument("--no-chart", action="store_true")
+    parser.add_argument("--short", action="store_true", help="a quick look: 10M and 100M parameters, 5 timed steps")
     ns = parser.parse_args(argv)
+    if ns.short:
+        ns.sizes, ns.steps, ns.warmup = "10M,100M", 5, 2
     try:
         sizes = [parse_size(s) for s in ns.sizes.split(",")]
     except ValueError:

@@ -618,6 +618,55 @@ def int8_cases(n: int) -> Iterator[Case]:
                (X, CA, CB, SCA, SCB, cols, bias), (want, want_sub), compare=mixed_compare)  # fmt: skip
 
 
+# -- optimizers -----------------------------------------------------------------------------------------
+# n counts the parameter's elements; every optimizer name of each op and every dtype (a rotation at
+# the large sizes), from random quantized / float32 states, one step, compared with the SPEC 5
+# reference under SPEC 5.3's one-step rules (tests/optim_inputs.py: p within 2 ulp of its operands,
+# codes equal except next to a threshold, absmax within 1 ulp; 32-bit states within a float32
+# rounding where a GPU compiler may contract a multiply-add).
+
+OPTIM_SIZES = (1, 4_173, 1_048_576, 16_777_216)
+
+
+def _run_in_place(op: str) -> Callable[[list], Any]:
+    def run(args: list) -> list:
+        from bnb_mps.ops import op_packet
+
+        op_packet(op)(*args)
+        return list(args)
+
+    return run
+
+
+def optimizer_cases(n: int) -> Iterator[Case]:
+    import optim_inputs as oi
+    import reference_optim as R
+
+    op8, op32 = "optimizer_update_8bit_blockwise", "optimizer_update_32bit"
+    for i, (name, dtype) in enumerate(_grid(n, oi.NAMES_8BIT, oi.DTYPES)):
+        args = oi.args_8bit(name, n, dtype, seed=_seed("opt8", n, i))
+        want = R.optimizer_8bit(*oi.clone(args))
+        p_before = args[2].clone()
+
+        def compare(got, want, what, p_before=p_before):
+            oi.compare_8bit(got, want, p_before=p_before)
+
+        yield Case(f"{op8} {name} {dtype} n={n}", op8, tuple(args), want, compare=compare, run=_run_in_place(op8))
+    for i, (name, dtype, max_unorm) in enumerate(_grid(n, oi.NAMES_32BIT, oi.DTYPES, (0.0, 0.002))):
+        args = oi.args_32bit(name, n, dtype, seed=_seed("opt32", n, i), max_unorm=max_unorm)
+        want = R.optimizer_32bit(*oi.clone(args))
+        p_before = args[2].clone()
+
+        def compare(got, want, what, p_before=p_before):
+            oi.compare_32bit(got, want, max_state_ulps=1 << 30, p_before=p_before)
+            for g, w in ((got[3], want.state1), (got[4], want.state2)):
+                if w is not None:
+                    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-12, msg=lambda m: f"{what}: {m}")
+
+        yield Case(f"{op32} {name} {dtype} clip={max_unorm} n={n}", op32, tuple(args), want, compare=compare,
+                   run=_run_in_place(op32))  # fmt: skip
+
+
 # -- the table --------------------------------------------------------------------------------------
 
 FAMILIES: list[Family] = [
@@ -649,6 +698,13 @@ FAMILIES: list[Family] = [
         cases=int8_cases,
         sizes=tuple(sorted(INT8_SHAPES)),
         cpu_sizes=(1, 4_096),
+    ),
+    Family(
+        name="optimizers",
+        ops=("optimizer_update_8bit_blockwise", "optimizer_update_32bit"),
+        cases=optimizer_cases,
+        sizes=OPTIM_SIZES,
+        cpu_sizes=(1, 4_173),
     ),
 ]
 
