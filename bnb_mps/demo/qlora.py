@@ -150,7 +150,11 @@ def _what_serves(device, emulated: bool) -> str:
         from .. import executors
 
         sel = executors.selection()
-        return f"bitsandbytes' ops on mps go to bnb-mps ({sel.tier} tier: {sel.reason})"
+        if sel.executor is None:
+            return (f"bitsandbytes' ops on mps pass through bnb-mps, which has no GPU tier here ({sel.reason}): "
+                    "bitsandbytes' own mps code serves what it can run, the CPU round trip the rest")  # fmt: skip
+        return (f"bitsandbytes' ops on mps pass through bnb-mps: its Metal kernels on the {sel.tier} tier "
+                f"({sel.reason}) where it has one, else bitsandbytes' own mps code or the CPU round trip")
     return (f"bitsandbytes' ops on {device.type} run bitsandbytes' own {device.type} code; bnb-mps serves mps "
             "tensors (add --kernels emulated to run its Metal kernels under the emulator here)")  # fmt: skip
 
@@ -177,8 +181,10 @@ def run(opts: Options, stdout=None) -> dict:
     steps = shape["steps"] if opts.steps is None else opts.steps
     batch_size = opts.batch_size or shape["batch_size"]
     seq_len = opts.seq_len or shape["seq_len"]
-    for flag, value in (("--steps", steps), ("--batch-size", batch_size), ("--seq-len", seq_len)):
-        if value < 1:
+    checked = (("--steps", steps), ("--batch-size", batch_size), ("--seq-len", seq_len), ("--accum", opts.accum),
+               ("--max-new-tokens", opts.max_new_tokens))
+    for flag, value in checked:
+        if value is not None and value < 1:
             raise DemoError(f"{flag} must be at least 1, got {value}")
     emulated = opts.kernels == "emulated"
     device = _choose_device(opts)
@@ -243,7 +249,7 @@ def run(opts: Options, stdout=None) -> dict:
             f"{config.hidden_size}, {len(tok)} character tokens), loaded in 4-bit NF4 with double "
             f"quantization in {load_seconds:.1f} s; compute dtype {str(compute_dtype).removeprefix('torch.')}",
             f"  weights: {report.human_bytes(bytes_4bit)} in 4-bit, {report.human_bytes(bytes_fp16)} in fp16 "
-            f"({bytes_fp16 / bytes_4bit:.1f}x less)")  # fmt: skip
+            f"({bytes_fp16 / bytes_4bit:.1f}x smaller)")  # fmt: skip
 
         # 2. a sample before training
         before = _sample(model, tok, opts.prompt, opts.max_new_tokens, opts.seed, device)
