@@ -317,3 +317,24 @@ def test_shell_entry_point_runs_the_demo_module():
     assert proc.returncode == 0, proc.stderr
     for option in ("--size", "--steps", "--device", "--kernels", "--optim", "--out", "--quiet"):
         assert option in proc.stdout
+
+
+def test_op_report_on_mps_says_which_calls_went_uncounted():
+    """The mps report (run on a Mac by test_demo_on_mps) from op-layer counts: complete counts for
+    bnb-mps' tiers; a handed-back op shows the calls that passed through bnb-mps, and says the rest
+    were not counted; one handed back before the run shows no count at all."""
+    from bnb_mps.demo import report
+
+    counts = {"quantize_4bit": {"shader": 28}, "gemm_4bit": {"bitsandbytes": 1},
+              "optimizer_update_8bit_blockwise": {"cpu": 300}}  # fmt: skip
+    rows, notes = report.op_report(counts, "mps", False, {"gemv_4bit": "no Metal kernel"}, ["gemm_4bit"])
+    assert rows["quantize_4bit"] == {"tier": "shader", "calls": 28, "served_by": report.SERVED_BY["shader"]}
+    assert rows["optimizer_update_8bit_blockwise"]["calls"] == 300
+    assert rows["gemm_4bit"]["calls"] == 1 and "not counted" in rows["gemm_4bit"]["note"]
+    assert rows["gemv_4bit"]["calls"] is None and rows["gemv_4bit"]["tier"] == "bitsandbytes"
+    assert len(notes) == 1 and "not counted" in notes[0]
+    table = "\n".join(report.op_table(rows))
+    assert "gemv_4bit" in table and "?" in table and "300" in table
+    # Off mps, nothing handed back before the run is listed: it concerns the mps key only.
+    rows, notes = report.op_report({}, "cpu", False, {"gemv_4bit": "no Metal kernel"}, ["gemm_4bit"])
+    assert rows == {} and "none was counted" in notes[0]

@@ -83,8 +83,9 @@ def op_report(counts: dict[str, dict[str, int]], device_type: str, emulated: boo
         notes.append(f"every bitsandbytes op ran on bitsandbytes' own {device_type} code: bnb-mps serves mps "
                      f"tensors (and CPU tensors with --kernels emulated), so no call passed through it and none "
                      f"was counted")  # fmt: skip
-    else:
-        notes.append("ops served by bitsandbytes' own mps implementation after the hand-back are not counted")
+    elif any(row["tier"] == "bitsandbytes" for row in ops.values()):
+        notes.append("calls that bitsandbytes' own mps implementation served after the hand-back did not pass "
+                     "through bnb-mps and are not counted")  # fmt: skip
     return ops, notes
 
 
