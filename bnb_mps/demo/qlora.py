@@ -27,7 +27,7 @@ from typing import Optional
 
 from . import data, report
 
-#: model and training shapes per --size; "tiny" finishes in about a minute on a laptop CPU
+#: model and training shapes per --size; tiny trains its 100 steps in about a minute on one x86 core
 SIZES = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, batch_size=8, seq_len=128, steps=100, lora_r=16),
@@ -157,6 +157,16 @@ def _what_serves(device, emulated: bool) -> str:
                 f"({sel.reason}) where it has one, else bitsandbytes' own mps code or the CPU round trip")
     return (f"bitsandbytes' ops on {device.type} run bitsandbytes' own {device.type} code; bnb-mps serves mps "
             "tensors (add --kernels emulated to run its Metal kernels under the emulator here)")  # fmt: skip
+
+
+def _short_serves(device, emulated: bool) -> str:
+    if emulated:
+        return "bitsandbytes' quantize/dequantize ops on bnb-mps' kernels under the emulator"
+    if device.type == "mps":
+        from .. import executors
+
+        return f"bnb-mps, {executors.selection().tier} tier"
+    return f"bitsandbytes' own {device.type} code"
 
 
 def run(opts: Options, stdout=None) -> dict:
@@ -355,7 +365,7 @@ def run(opts: Options, stdout=None) -> dict:
                      f"QLoRA, {opts.size} Llama in 4-bit NF4 on {device}, {optim_name}")  # fmt: skip
 
     say("summary",
-        f"  device             {device} ({'bnb-mps kernels under the emulator' if emulated else 'kernels: auto'})",
+        f"  device             {device} ({_short_serves(device, emulated)})",
         f"  loss               {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {steps})",
         f"  tokens/s           {tokens_per_second:,.0f} ({steps} steps of {tokens_per_step} tokens in "
         f"{train_seconds:.1f} s)",
