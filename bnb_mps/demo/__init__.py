@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=Options.seed)
     parser.add_argument("--out", default=Options.out,
                         help=f"directory for summary.json and demo_loss.png (default: ./{Options.out}/)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for tiny on the CPU "
+                        "device, whose small matrices gain nothing from threads; torch's default otherwise)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
