@@ -29,7 +29,7 @@ def missing_requirements() -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=list(SIZES), default="tiny",
-                        help="model size: tiny (0.8M parameters; 100 steps take about a minute on one CPU core) or "
+                        help="model size: tiny (0.8M parameters; the whole run takes under a minute on one CPU core) or "
                         "small (24M parameters, for a GPU) (default: tiny)")
     parser.add_argument("--steps", type=int, help="optimizer steps (default: 100)")
     parser.add_argument("--device", help="cpu, mps, cuda, auto (default: bnb_mps.device.get_device(); "

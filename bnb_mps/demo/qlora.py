@@ -27,7 +27,7 @@ from typing import Optional
 
 from . import data, report
 
-#: model and training shapes per --size; tiny trains its 100 steps in about a minute on one x86 core
+#: model and training shapes per --size; the whole tiny run takes 40 s on one x86 core (measured)
 SIZES = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, batch_size=8, seq_len=128, steps=100, lora_r=16),
@@ -216,7 +216,8 @@ def _run(opts: Options, stdout) -> dict:
     threads = opts.threads
     if threads is None and device.type == "cpu" and opts.size == "tiny":
         # The tiny model's matrices are 128 wide: threads cost more than they bring. Measured on a
-        # shared 2-core x86 machine: 0.6 s per step with one thread, 2.4 s with two.
+        # 2-core x86 machine: the whole run took 40 s with one thread, 63 s with two (training
+        # alone 25 s and 22 s); with the machine busy, a step took 0.6 s with one, 2.4 s with two.
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
