@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ SCRIPT = textwrap.dedent(
     assert source.kernel_dir() == package / "kernels", source.kernel_dir()
     assert include_dir() == package / "emulator" / "include", include_dir()
     assert "bnb_quantize_4bit" in source.source()
+    from bnb_mps.demo import data  # the demo's corpus is package data
+    assert "Alice" in data.corpus_text()
 
     import bitsandbytes  # noqa: F401  (defines the ops)
 
@@ -64,6 +67,9 @@ def test_wheel_installs_and_runs_a_kernel_elsewhere(tmp_path):
     _run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-build-isolation", "--no-deps", "-q",
           "-w", str(dist), "-C", f"build-dir={build}"], cwd=tmp_path, timeout=900)  # fmt: skip
     (wheel,) = dist.glob("bnb_mps-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        (entry_points,) = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        assert "bnb-mps = bnb_mps.__main__:main" in zf.read(entry_points).decode()
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])

@@ -6,6 +6,7 @@ Importing this package fills `OPS` with every schema bnb_mps serves.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Optional
 
@@ -15,11 +16,28 @@ from . import blockwise, fourbit, int8, matmul_4bit, optim  # noqa: F401  (each 
 from .registry import OPS, OpDef, argument_spec, bind, op_packet
 from .routing import Route, route
 
-__all__ = ["OPS", "OpDef", "Route", "call", "dispatcher_entry", "op_packet", "route"]
+__all__ = ["OPS", "OpDef", "Route", "call", "call_counts", "dispatcher_entry", "op_packet", "reset_call_counts",
+           "route"]
 
 #: hand_back(name, reason) -> a callable that runs the op with bitsandbytes' own implementation
 #: (given by the registration, which withdraws bnb_mps' kernel for that op)
 HandBack = Callable[[str, str], Callable[..., object]]
+
+_calls: Counter = Counter()  # (op name, tier) -> calls the op layer served
+
+
+def call_counts() -> dict[str, dict[str, int]]:
+    """Calls the op layer served since the last reset: {op: {tier: calls}}. The tier is the
+    executor's ("native", "shader", "emulated"), "cpu" (the round trip) or "bitsandbytes" (a call
+    handed back; bitsandbytes then serves later calls of that op directly, and they are not seen)."""
+    out: dict[str, dict[str, int]] = {}
+    for (name, tier), n in list(_calls.items()):
+        out.setdefault(name, {})[tier] = n
+    return out
+
+
+def reset_call_counts() -> None:
+    _calls.clear()
 
 
 def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Optional[executors.Executor] = None):
@@ -28,8 +46,10 @@ def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Option
     bound = bind(op.name, args, kwargs or {})
     op.check(*bound)
     if executor is not None:
+        _calls[op.name, executor.name] += 1
         return op.kernel(executor, *bound)
     r = route(op.name)
+    _calls[op.name, r.tier] += 1
     if r.tier != "native":
         executors.notify_slow_tier(op.name, r.tier, r.reason)
     if r.tier == "cpu":
@@ -60,6 +80,7 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, h
         if executor is None and hand_back is not None:
             r = route(name)
             if r.tier == "bitsandbytes":
+                _calls[name, r.tier] += 1
                 executors.notify_slow_tier(name, r.tier, r.reason)
                 return hand_back(name, r.reason)(*args, **kwargs)
         return call(op, args, kwargs, executor)

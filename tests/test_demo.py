@@ -1,0 +1,370 @@
+"""`python -m bnb_mps demo`: QLoRA end to end, and its report checked against independent counts.
+
+The demo runs in this process with the smallest settings (a tiny Llama, a few steps, short
+samples). What its summary claims is checked against what can be known without it: bitsandbytes
+op calls counted by PyTorch's profiler (which sees every dispatcher call, nested ones included),
+weight bytes computed from the model config and the 4-bit format, the corpus' alphabet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("matplotlib")
+
+import bitsandbytes  # noqa: E402,F401  (defines the ops)
+
+from bnb_mps import executors, ops, registration  # noqa: E402
+from bnb_mps.__main__ import main as cli  # noqa: E402
+from bnb_mps.demo import Options, data, qlora, run  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning")
+
+QUANT_OPS = {"quantize_4bit", "quantize_blockwise", "dequantize_4bit", "dequantize_blockwise"}
+BNB_MPS_TIERS = {"native", "shader", "emulated", "cpu"}  # tiers where bnb-mps' op layer serves every call
+SMALLEST = dict(size="tiny", batch_size=4, seq_len=64, max_new_tokens=12, quiet=True)
+
+
+def _in_cpu_round_trip(event) -> bool:
+    """Whether a profiler event is, or runs inside, the CPU round trip's call of an op: bnb-mps'
+    round trip calls the same op again on CPU copies, so that call's parent has its name."""
+    while event is not None:
+        if event.cpu_parent is not None and event.cpu_parent.name == event.name:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+@contextlib.contextmanager
+def bitsandbytes_calls():
+    """Counts of bitsandbytes op calls (by schema base name), from PyTorch's profiler, which sees
+    every call through the dispatcher, nested ones included, but not the redispatch of a handed-back
+    op. Calls inside a CPU round trip (on CPU copies, made by bitsandbytes' CPU code) are left out."""
+    counts: Counter = Counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield counts
+    counts.update(e.name.split("::", 1)[1] for e in prof.events()
+                  if e.name.startswith("bitsandbytes::") and not _in_cpu_round_trip(e))  # fmt: skip
+
+
+def demo_run(tmp_path_factory, name, device=None, **settings):
+    out = tmp_path_factory.mktemp(name)
+    stdout = out / "stdout.txt"
+    threads = torch.get_num_threads()
+    with bitsandbytes_calls() as calls, open(stdout, "w") as f:
+        summary = run(Options(out=str(out), device=device, **{**SMALLEST, **settings}), stdout=f)
+    assert torch.get_num_threads() == threads  # the demo's thread setting does not leak
+    return summary, out, calls, stdout.read_text()
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    return demo_run(tmp_path_factory, "cpu", device="cpu", steps=6)
+
+
+@pytest.fixture(scope="module")
+def emulated_run(tmp_path_factory):
+    pytest.importorskip("bnb_mps._emu")
+    return demo_run(tmp_path_factory, "emulated", kernels="emulated", steps=3, max_new_tokens=4, seq_len=32)
+
+
+def tiny_config() -> transformers.LlamaConfig:
+    shape = qlora.SIZES["tiny"]
+    vocab = len(data.SPECIAL_TOKENS) + len(set(data.corpus_text()))
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    return transformers.LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **{k: shape[k] for k in keys})
+
+
+def expected_weight_bytes(config, dtype_bytes: int) -> tuple[int, int, int]:
+    """(weight bytes in 4-bit NF4 with double quantization, in fp16, number of 4-bit layers), from
+    the format: per 4-bit layer of n weights, n/2 bytes of codes, one uint8 absmax per block of 64,
+    the 16-entry NF4 code, and the nested quantization's fp32 absmax per 256 blocks, its 256-entry
+    code and its offset; every other parameter (embeddings, norms, output head) at its dtype."""
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    four_bit = fp16 = layers = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            n = module.weight.numel()
+            blocks = math.ceil(n / 64)
+            four_bit += math.ceil(n / 2) + blocks + 16 * 4 + 4 * math.ceil(blocks / 256) + 256 * 4 + 4
+            layers += 1
+            assert module.bias is None
+        else:
+            four_bit += sum(p.numel() * dtype_bytes for p in module.parameters(recurse=False))
+    fp16 = 2 * sum(p.numel() for p in model.parameters())
+    return four_bit, fp16, layers
+
+
+# -- the run on the CPU device: bitsandbytes' own CPU code --------------------------------------------
+
+
+def test_cpu_run_trains_and_writes_what_it_reports(cpu_run):
+    summary, out, calls, stdout = cpu_run
+    assert json.loads((out / "summary.json").read_text(encoding="utf-8")) == summary
+    for key in ("device", "loss", "tokens_per_second", "weight_bytes_4bit", "weight_bytes_fp16", "ops"):
+        assert key in summary
+    assert summary["device"] == "cpu" and summary["kernels"] == "auto"
+
+    losses = summary["loss"]
+    assert len(losses) == summary["steps"] == 6 and all(math.isfinite(x) for x in losses)
+    assert (losses[0], losses[-1]) == (summary["loss_first"], summary["loss_last"])
+    # A random model starts near ln(vocabulary) nats per character; training must bring it down.
+    assert losses[0] == pytest.approx(math.log(tiny_config().vocab_size), abs=0.3)
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
+
+    assert summary["tokens_per_step"] == 4 * 64 * summary["gradient_accumulation_steps"]
+    assert summary["tokens_per_second"] == pytest.approx(6 * summary["tokens_per_step"] / summary["train_seconds"])
+    assert summary["optimizer"]["name"] == "adamw_bnb_8bit" and "paged" in summary["optimizer"]["note"]
+
+    alphabet = set(data.corpus_text())
+    for sample in (summary["sample_before"], summary["sample_after"]):
+        assert sample.startswith(qlora.PROMPT) and len(sample) == len(qlora.PROMPT) + 12
+        assert set(sample) <= alphabet
+    assert summary["sample_before"] != summary["sample_after"]
+
+    for needle in ("sample before training:", "sample after training:", "summary", "tokens/s", "weights",
+                   f"{losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step 6)"):  # fmt: skip
+        assert needle in stdout
+
+
+def test_cpu_run_memory_figures_match_the_models_parameters(cpu_run):
+    summary = cpu_run[0]
+    assert summary["compute_dtype"] == "float32"
+    four_bit, fp16, _ = expected_weight_bytes(tiny_config(), dtype_bytes=4)
+    assert summary["parameters"] * 2 == fp16 == summary["weight_bytes_fp16"]
+    assert summary["weight_bytes_4bit"] == four_bit
+
+
+def test_cpu_run_reports_that_bitsandbytes_served_its_ops_unseen(cpu_run):
+    summary, _, calls, stdout = cpu_run
+    layers = expected_weight_bytes(tiny_config(), 4)[2]
+    # bitsandbytes' ops did run (its CPU kernels: bnb-mps serves mps tensors)...
+    assert calls["quantize_4bit"] == layers and calls["gemm_4bit"] > 0 and calls["optimizer_update_8bit_blockwise"]
+    # ...and none passed through bnb-mps' op layer, which is what the summary says.
+    assert summary["ops"] == {}
+    assert any("not counted" in n or "none was counted" in n for n in summary["ops_notes"])
+    assert "none passed through bnb-mps" in stdout
+
+
+def test_loss_plot_holds_the_curve(cpu_run):
+    from matplotlib.image import imread
+
+    out = cpu_run[1]
+    png = out / "demo_loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = imread(png)
+    assert image.shape[:2] == (400, 640)
+    # The curve is drawn in matplotlib's first colour (#1f77b4); markers for <= 30 steps.
+    line = (abs(image[..., 0] - 0x1F / 255) < 0.02) & (abs(image[..., 1] - 0x77 / 255) < 0.02) & (
+        abs(image[..., 2] - 0xB4 / 255) < 0.02
+    )
+    assert line.sum() > 100
+    # Left to right it goes down, as the loss does: the first drawn column sits higher than the last.
+    cols = [c for c in range(image.shape[1]) if line[:, c].any()]
+    first_row = line[:, cols[0]].nonzero()[0].mean()
+    last_row = line[:, cols[-1]].nonzero()[0].mean()
+    assert first_row < last_row
+
+
+# -- --kernels emulated: bnb-mps' Metal kernels under the emulator --------------------------------------
+
+
+def test_emulated_kernels_serve_the_4bit_ops_and_the_counts_are_exact(emulated_run):
+    summary, out, calls, stdout = emulated_run
+    assert summary["kernels"] == "emulated" and summary["device"] == "cpu"
+    assert QUANT_OPS <= set(summary["ops"])
+    by_base: Counter = Counter()
+    for name, row in summary["ops"].items():
+        assert row["tier"] == "emulated" and "emulator" in row["served_by"], (name, row)
+        by_base[name.split(".")[0]] += row["calls"]
+    for base, n in by_base.items():
+        assert n == calls[base], (base, n, calls[base])
+    layers = expected_weight_bytes(tiny_config(), 4)[2]
+    assert summary["ops"]["quantize_4bit"]["calls"] == layers  # one per 4-bit layer, at load
+    # Ops without a kernel ran on bitsandbytes' CPU code, outside the op layer, and are said to be.
+    assert calls["gemm_4bit"] > 0 and "gemm_4bit" not in summary["ops"]
+    assert any("gemm_4bit" in n and "not counted" in n for n in summary["ops_notes"])
+
+    losses = summary["loss"]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.1, losses
+    assert "emulator" in stdout and "quantize_4bit" in stdout
+    assert (out / "demo_loss.png").exists()
+    assert "CPU" not in registration.registered_keys()  # the emulated tier is gone after the run
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+def test_info_is_the_default_command(capsys):
+    assert cli([]) == 0
+    default = capsys.readouterr().out
+    assert cli(["info"]) == 0
+    assert capsys.readouterr().out == default and "executor tier" in default
+
+
+def test_missing_requirement_exits_with_the_install_command(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    assert cli(["demo"]) == 1
+    err = capsys.readouterr().err
+    assert "missing: peft" in err and "pip install peft" in err
+
+
+def test_missing_requirement_from_the_shell(tmp_path):
+    (tmp_path / "peft.py").write_text("raise ImportError(\"No module named 'peft'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "bnb_mps", "demo", "--out", str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode != 0
+    assert "pip install peft" in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--optim", "no_such_optimizer"], "--optim no_such_optimizer"),
+])  # fmt: skip
+def test_bad_settings_exit_with_a_message(argv, message, tmp_path, capsys):
+    assert cli(["demo", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+# -- the op layer's call counter -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_gpu_tier(fresh_tier_selection):
+    def unavailable(name):
+        raise executors.ExecutorUnavailable(f"{name} stands in as unavailable")
+
+    fresh_tier_selection.setattr(executors, "load_tier", unavailable)
+    yield fresh_tier_selection
+    registration.reinstate()
+
+
+def test_call_counter_sees_only_the_first_call_of_a_handed_back_op(no_gpu_tier):
+    """On the "bitsandbytes" route the op layer hands the op back on its first call; bitsandbytes
+    then serves it directly, so later calls are not counted."""
+    mps = torch._C.DispatchKeySet(torch._C.DispatchKey.MPS)
+    ops.reset_call_counts()
+    for _ in range(3):
+        torch.ops.bitsandbytes.quantize_4bit.default.redispatch(mps, torch.randn(64), 64, "nf4", torch.uint8)
+    assert ops.call_counts() == {"quantize_4bit": {"bitsandbytes": 1}}
+    assert "quantize_4bit" not in registration.registered("MPS")  # bitsandbytes served the other two
+    ops.reset_call_counts()
+    assert ops.call_counts() == {}
+
+
+def test_call_counter_counts_every_round_trip(fresh_tier_selection):
+    fresh_tier_selection.setenv("BNB_MPS_EXECUTOR", "cpu")
+    mps = torch._C.DispatchKeySet(torch._C.DispatchKey.MPS)
+    code = torch.linspace(-1, 1, 256)
+    ops.reset_call_counts()
+    for _ in range(2):
+        torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(mps, torch.randn(64), code, 64)
+    torch.ops.bitsandbytes.quantize_4bit.default.redispatch(mps, torch.randn(64), 64, "fp4", torch.uint8)
+    assert ops.call_counts() == {"quantize_blockwise": {"cpu": 2}, "quantize_4bit": {"cpu": 1}}
+
+
+# -- on a Mac --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.mps
+def test_demo_on_mps(tmp_path_factory):
+    """The demo as a Mac user runs it: the mps device, bnb-mps' best tier, the training settings
+    bnb_mps.device advises (gradient checkpointing, accumulation, bf16 where it works)."""
+    summary, out, calls, stdout = demo_run(tmp_path_factory, "mps", device="mps", steps=6)
+    assert summary["device"].startswith("mps")
+    assert summary["gradient_checkpointing"] is True and summary["gradient_accumulation_steps"] == 4
+    losses = summary["loss"]
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-2:]) < sum(losses[:2]) - 0.6, losses
+    dtype_bytes = torch.empty((), dtype=getattr(torch, summary["compute_dtype"])).element_size()
+    four_bit, fp16, layers = expected_weight_bytes(tiny_config(), dtype_bytes)
+    assert (summary["weight_bytes_4bit"], summary["weight_bytes_fp16"]) == (four_bit, fp16)
+
+    assert QUANT_OPS <= set(summary["ops"])
+    assert summary["ops"]["quantize_4bit"]["tier"] == ops.route("quantize_4bit").tier
+    if executors.selection().tier in ("native", "shader"):
+        for name in QUANT_OPS:
+            assert summary["ops"][name]["tier"] == executors.selection().tier, name
+    complete: Counter = Counter()
+    partial = set()
+    for name, row in summary["ops"].items():
+        base = name.split(".")[0]
+        if row["tier"] in BNB_MPS_TIERS:  # bnb-mps served every call: the count is complete
+            complete[base] += row["calls"]
+        else:  # handed back to bitsandbytes: only what passed through bnb-mps is counted
+            assert row["tier"] == "bitsandbytes" and "not counted" in row["note"], (name, row)
+            partial.add(base)
+    for base, n in complete.items():
+        if base not in partial:
+            assert n == calls[base], (base, n, calls[base])
+    assert summary["memory"]["allocated"] is not None
+    assert (out / "demo_loss.png").exists() and "summary" in stdout
+
+
+def test_shell_entry_point_runs_the_demo_module():
+    """`python -m bnb_mps demo --help` (what scripts/demo.sh runs) lists the demo's options."""
+    proc = subprocess.run([sys.executable, "-m", "bnb_mps", "demo", "--help"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--size", "--steps", "--device", "--kernels", "--optim", "--out", "--quiet"):
+        assert option in proc.stdout
+
+
+def test_op_report_on_mps_says_which_calls_went_uncounted():
+    """The mps report (run on a Mac by test_demo_on_mps) from op-layer counts: complete counts for
+    bnb-mps' tiers; a handed-back op shows the calls that passed through bnb-mps, and says the rest
+    were not counted; one handed back before the run shows no count at all."""
+    from bnb_mps.demo import report
+
+    counts = {"quantize_4bit": {"shader": 28}, "gemm_4bit": {"bitsandbytes": 1},
+              "optimizer_update_8bit_blockwise": {"cpu": 300}}  # fmt: skip
+    rows, notes = report.op_report(counts, "mps", False, {"gemv_4bit": "no Metal kernel"}, ["gemm_4bit"])
+    assert rows["quantize_4bit"] == {"tier": "shader", "calls": 28, "served_by": report.SERVED_BY["shader"]}
+    assert rows["optimizer_update_8bit_blockwise"]["calls"] == 300
+    assert rows["gemm_4bit"]["calls"] == 1 and "not counted" in rows["gemm_4bit"]["note"]
+    assert rows["gemv_4bit"]["calls"] is None and rows["gemv_4bit"]["tier"] == "bitsandbytes"
+    assert len(notes) == 1 and "not counted" in notes[0]
+    table = "\n".join(report.op_table(rows))
+    assert "gemv_4bit" in table and "?" in table and "300" in table
+    # Off mps, nothing handed back before the run is listed: it concerns the mps key only.
+    rows, notes = report.op_report({}, "cpu", False, {"gemv_4bit": "no Metal kernel"}, ["gemm_4bit"])
+    assert rows == {} and "none was counted" in notes[0]
+
+
+def test_independent_count_leaves_out_cpu_round_trips():
+    """The mps test's reference count: an op whose kernel calls the same op again (what bnb-mps'
+    CPU round trip does, on CPU copies) counts once, and what that inner call runs not at all;
+    other nested calls count."""
+    lib = torch.library.Library("bnb_mps_demo_test", "DEF")
+    try:
+        lib.define("outer(Tensor x) -> Tensor")
+        lib.define("inner(Tensor x) -> Tensor")
+
+        def outer(x):
+            if x.dim() == 2:  # the round trip: the same op again, on a copy
+                return torch.ops.bnb_mps_demo_test.outer(x.reshape(-1)).reshape(x.shape)
+            return torch.ops.bnb_mps_demo_test.inner(x)
+
+        lib.impl("outer", outer, "CPU")
+        lib.impl("inner", lambda x: x + 1, "CPU")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.ops.bnb_mps_demo_test.outer(torch.zeros(2, 2))  # round trip: counts outer once
+            torch.ops.bnb_mps_demo_test.outer(torch.zeros(4))  # plain: outer and its nested inner
+        kept = Counter(e.name for e in prof.events() if e.name.startswith("bnb_mps_demo_test::")
+                       and not _in_cpu_round_trip(e))  # fmt: skip
+        assert kept == {"bnb_mps_demo_test::outer": 2, "bnb_mps_demo_test::inner": 1}
+    finally:
+        lib._destroy()
