@@ -169,8 +169,12 @@ def test_with_a_gpu_tier_our_kernel_serves(stand_in_gpu_tier, fallback_calls, na
     assert has_mps_kernel_of_ours(name)
 
 
-@pytest.mark.parametrize("name", sorted(n for n, op in ops.OPS.items() if op.kernel is None))
-def test_with_a_gpu_tier_ops_without_kernels_still_avoid_the_round_trip(stand_in_gpu_tier, fallback_calls, name):
+@pytest.mark.parametrize("name", ["gemm_4bit", "int8_scaled_mm", "dequantize_blockwise.out",
+                                  "optimizer_update_8bit_blockwise"])  # fmt: skip
+def test_with_a_gpu_tier_ops_without_kernels_still_avoid_the_round_trip(stand_in_gpu_tier, fallback_calls, monkeypatch,
+                                                                        name):  # fmt: skip
+    """An op whose Metal kernel is missing (every op has one now: taken away for the test)."""
+    monkeypatch.setattr(ops.OPS[name], "kernel", None)
     args = first_case(name)
     r = ops.route(name)
     assert r.tier == ("cpu" if name in NOT_ON_MPS | {"dequantize_4bit.out", "gemv_4bit.out"} else "bitsandbytes")
