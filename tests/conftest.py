@@ -12,6 +12,13 @@ def _mps_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # `slow` cases (the long tails of matrices whose every kernel variant the default run already
+    # covers) run only when selected: `pytest -m slow`, or any -m expression naming slow.
+    if "slow" not in (config.getoption("-m") or ""):
+        skip_slow = pytest.mark.skip(reason="slow: run with -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if _mps_available():
         return
     skip = pytest.mark.skip(reason="needs Apple Silicon with a working mps device")

@@ -41,13 +41,6 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def _slow_only_when_selected(request):
-    """`slow` cases run only when selected with `-m slow` (or any -m expression naming slow)."""
-    if request.node.get_closest_marker("slow") and "slow" not in (request.config.getoption("-m") or ""):
-        pytest.skip("slow: run with -m slow")
-
-
 class PlainLion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023) in plain torch, as lion_pytorch writes it."""
 
