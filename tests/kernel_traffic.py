@@ -60,7 +60,7 @@ def _randn(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 _DT = {"f16": torch.float16, "f32": torch.float32}
 
-# -- blockwise 8-bit and 4-bit quantization (SPEC sections 2, 3) ----------------------------------------
+# -- blockwise 8-bit and 4-bit quantization (docs/semantics.md sections 2, 3) ----------------------------------------
 
 QUANT_N = 256 * 256  # representative: many threadgroups, small enough for CI
 TAIL_N = 10007  # not a multiple of any block or threadgroup: the tail paths
@@ -106,7 +106,7 @@ def _quant_cases() -> None:
 
 _quant_cases()
 
-# -- 4-bit matrix products (SPEC section 4): one case per kernel path, nested NF4 weight, fp16 ------------
+# -- 4-bit matrix products (docs/semantics.md section 4): one case per kernel path, nested NF4 weight, fp16 ------------
 
 MATMUL_N, MATMUL_K = 128, 512
 
@@ -134,7 +134,7 @@ def _matmul_cases() -> None:
 
 _matmul_cases()
 
-# -- LLM.int8() (SPEC section 6) ----------------------------------------------------------------------
+# -- LLM.int8() (docs/semantics.md section 6) ----------------------------------------------------------------------
 
 
 def _int8_cases() -> None:

@@ -1,5 +1,5 @@
 """Shared inputs of the 4-bit matmul tests (emulator and mps): a case description and the
-gemm_4bit arguments it stands for, with the dequantized float32 weight from the SPEC reference."""
+gemm_4bit arguments it stands for, with the dequantized float32 weight from the docs/semantics.md reference."""
 
 from __future__ import annotations
 

@@ -496,7 +496,7 @@ def _functional_4bit_double_quant(A: torch.Tensor, bs: int, qt: str) -> Case:
 # -- 4-bit matrix products (gemv_4bit, gemm_4bit) ----------------------------------------------------
 # n counts the weight's elements (N * K); each size gets the three kernel paths (M = 1, 5, 40), fp16,
 # bf16 and fp32, plain and nested absmax, with and without bias, compared with the float64
-# reference of SPEC section 4 under its accuracy rule (reference_matmul_4bit.check_accuracy).
+# reference of docs/semantics.md section 4 under its accuracy rule (reference_matmul_4bit.check_accuracy).
 
 MATMUL_SHAPES = {1: (1, 1), 4_160: (4, 1_040), 4_096: (64, 64), 16_777_216: (4_096, 4_096)}
 
@@ -620,8 +620,8 @@ def int8_cases(n: int) -> Iterator[Case]:
 
 # -- optimizers -----------------------------------------------------------------------------------------
 # n counts the parameter's elements; every optimizer name of each op and every dtype (a rotation at
-# the large sizes), from random quantized / float32 states, one step, compared with the SPEC 5
-# reference under SPEC 5.3's one-step rules (tests/optim_inputs.py: p within 2 ulp of its operands,
+# the large sizes), from random quantized / float32 states, one step, compared with the docs/semantics.md 5
+# reference under docs/semantics.md 5.3's one-step rules (tests/optim_inputs.py: p within 2 ulp of its operands,
 # codes equal except next to a threshold, absmax within 1 ulp; 32-bit states within a float32
 # rounding where a GPU compiler may contract a multiply-add).
 

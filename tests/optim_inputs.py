@@ -2,7 +2,7 @@
 
 `args_8bit` / `args_32bit` build one call of bitsandbytes' optimizer update op (positional
 arguments in schema order, CPU tensors) from a seed; `compare_8bit` / `compare_32bit` check what
-the op did against tests/reference_optim.py with SPEC 5.3's one-step rules and return the
+the op did against tests/reference_optim.py with docs/semantics.md 5.3's one-step rules and return the
 measured deviations.
 """
 
@@ -159,7 +159,7 @@ def _p_ulps(p: torch.Tensor, want: torch.Tensor, p_before) -> int:
 
 
 def compare_8bit(got_args: list, ref: R.Result8, max_p_ulps: int = 2, p_before=None) -> Deviation:
-    """SPEC 5.3 one-step rules: p within 2 ulp, codes equal except near a threshold, absmax within
+    """docs/semantics.md 5.3 one-step rules: p within 2 ulp, codes equal except near a threshold, absmax within
     1 ulp. With `p_before` (the parameter before the step), p's ulps are those of the operands
     (see ulps_of_operands), else of the result."""
     name, _, p, state1, state2 = got_args[:5]

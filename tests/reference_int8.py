@@ -1,13 +1,13 @@
-"""A plain reference of SPEC.md section 6 (LLM.int8()), written from the SPEC text alone.
+"""A plain reference of docs/semantics.md section 6 (LLM.int8()), written from the docs/semantics.md text alone.
 
-Exact integer maths in numpy int64; every `fl32(.)` step of the SPEC as one numpy float32
+Exact integer maths in numpy int64; every `fl32(.)` step of the docs/semantics.md as one numpy float32
 operation (numpy rounds each float32 operation once, to nearest even); conversions to fp16 / bf16
 by torch (round to nearest even). Inputs and outputs are torch CPU tensors.
 
-Where SPEC.md is silent, this module states what the kernels do, so that tests can pin it:
+Where docs/semantics.md is silent, this module states what the kernels do, so that tests can pin it:
 - NaN elements are left out of the maxima (like fmaxf) and quantize to 0; an infinite element
   makes its row's (column's) max infinite, and then quantizes to 0 (inf * fl32(127 / inf) = NaN);
-- a column whose max is 0 quantizes to 0s in CAt, as SPEC says for rows;
+- a column whose max is 0 quantizes to 0s in CAt, as docs/semantics.md says for rows;
 - a threshold is compared with |A| exactly (|A| >= threshold over the reals).
 """
 

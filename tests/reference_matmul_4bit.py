@@ -1,8 +1,8 @@
-"""A float64 reference of SPEC.md section 4 (gemv_4bit / gemm_4bit), and the error measures the
+"""A float64 reference of docs/semantics.md section 4 (gemv_4bit / gemm_4bit), and the error measures the
 matmul tests use.
 
-Written from SPEC alone (sections 3 and 4), independent of any kernel:
-- the weight is dequantized exactly as SPEC section 3 says, in float32:
+Written from docs/semantics.md alone (sections 3 and 4), independent of any kernel:
+- the weight is dequantized exactly as docs/semantics.md section 3 says, in float32:
   `w[n, k] = fl32(table[nibble(n*K + k)] * scale[(n*K + k) // blocksize])`, nibble 2j the high
   nibble of byte j, blocks flat (straddling rows); with double quantization
   `scale_b = fl32(fl32(absmax_code[absmax_8bit[b]] * nested_absmax[b // 256]) + offset)` where an
@@ -25,7 +25,7 @@ F32 = np.float32
 
 
 def table(quant_type_or_code) -> np.ndarray:
-    """The 16 nibble values: SPEC's NF4 / FP4 table, or a given 16-entry code (gemv_4bit's input)."""
+    """The 16 nibble values: docs/semantics.md's NF4 / FP4 table, or a given 16-entry code (gemv_4bit's input)."""
     if isinstance(quant_type_or_code, str):
         return ref.table_4bit(quant_type_or_code)
     c = quant_type_or_code.detach().reshape(-1).to(torch.float32).numpy()
@@ -34,7 +34,7 @@ def table(quant_type_or_code) -> np.ndarray:
 
 
 def block_scales(absmax, absmax_8bit=None, absmax_code=None, absmax_offset=None) -> np.ndarray:
-    """Per-block float32 scales: plain absmax, or the nested decode of SPEC section 3."""
+    """Per-block float32 scales: plain absmax, or the nested decode of docs/semantics.md section 3."""
     if absmax_8bit is None:
         return absmax.detach().reshape(-1).to(torch.float32).numpy()
     q = absmax_8bit.detach().reshape(-1).numpy().astype(np.int64)
@@ -47,7 +47,7 @@ def block_scales(absmax, absmax_8bit=None, absmax_code=None, absmax_offset=None)
 
 def dequantized_weight(B: torch.Tensor, shapeB, blocksize: int, quant_type_or_code, absmax, absmax_8bit=None,
                        absmax_code=None, absmax_offset=None) -> np.ndarray:  # fmt: skip
-    """dequant(W) as a float32 [N, K] array (SPEC section 3, any storage dtype of B read as bytes)."""
+    """dequant(W) as a float32 [N, K] array (docs/semantics.md section 3, any storage dtype of B read as bytes)."""
     N, K = shapeB
     n = N * K
     nib = ref.unpack_nibbles(B, n).astype(np.int64)
@@ -132,7 +132,7 @@ AGGREGATE_MIN = 256
 
 
 def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, linear_device="cpu") -> dict:
-    """Asserts SPEC section 4's accuracy target for y ~ A @ W.T (+ bias) and returns the figures.
+    """Asserts docs/semantics.md section 4's accuracy target for y ~ A @ W.T (+ bias) and returns the figures.
 
     - float32: |y - linear32| <= fp32_ulps(K) ulps of S per element, where linear32 is torch's
       float32 `linear(A, W)` of the same dequantized weight (and bias).

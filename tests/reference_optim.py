@@ -1,17 +1,17 @@
-"""A plain reference of SPEC.md section 5 (the optimizer updates), independent of any kernel.
+"""A plain reference of docs/semantics.md section 5 (the optimizer updates), independent of any kernel.
 
-Vectorised numpy in float32, one rounding per operation in the order SPEC writes the formulas;
-section 2's re-quantization comes from tests/spec_reference.py (SPEC sections 1-3). Tensors in and
+Vectorised numpy in float32, one rounding per operation in the order docs/semantics.md writes the formulas;
+section 2's re-quantization comes from tests/spec_reference.py (docs/semantics.md sections 1-3). Tensors in and
 out are CPU torch tensors; nothing is updated in place: each function returns the new values.
 
-Readings of SPEC where it leaves room (the kernels follow the same ones):
+Readings of docs/semantics.md where it leaves room (the kernels follow the same ones):
 - Scalars: every hyperparameter is rounded to float32 first; bc1 = fl32(1 - fl32(beta1^step))
   with the power correctly rounded, bc2 = fl32(sqrt(fl32(1 - fl32(beta2^step)))), and the
   decoupled decay factor is fl32(1 - fl32(lr * weight_decay)).
 - "p - lr * a / d" is evaluated as p - fl32(fl32(lr * a) / d), a being m/bc1 (adam) or
   m/bc1 + alpha*m2 (ademamix) or g' (rmsprop, adagrad); "(1-beta2)*g'*g'" left to right.
 - sign(x) is 0 for +-0 and NaN.
-- Re-quantization: SPEC section 2's index of fl32(x * fl32(1 / absmax)) (an all-zero block gives
+- Re-quantization: docs/semantics.md section 2's index of fl32(x * fl32(1 / absmax)) (an all-zero block gives
   index 0), then, for state1 (the signed states: m and AdEMAMix's m2), the sign fix on the sign
   bits, stepping modulo 256. So +0.0 in an all-zero block is stored as 255 (code[0] is negative,
   +0.0 is not, and 0 - 1 wraps), exactly as CUDA's kernel does; -0.0 stays at 0.
@@ -71,7 +71,7 @@ def _sign(x: np.ndarray) -> np.ndarray:
 
 
 def element_update(name: str, g, p, m, v, m2, lr_step: np.float32, h: Hyper):
-    """SPEC 5.1 / 5.2 formulas on float32 arrays (all elements updated). Returns (p, m, v, m2, u)."""
+    """docs/semantics.md 5.1 / 5.2 formulas on float32 arrays (all elements updated). Returns (p, m, v, m2, u)."""
     with np.errstate(all="ignore"):
         gs = g * h.gnorm_scale
         one = F32(1)
@@ -127,7 +127,7 @@ def dequantize(codes: np.ndarray, absmax: np.ndarray, qmap: np.ndarray) -> np.nd
 
 
 def requantize(x: np.ndarray, qmap: np.ndarray, signed: bool):
-    """SPEC 5.1 steps 3-4: new absmax per block, section 2's index, the sign fix for signed states.
+    """docs/semantics.md 5.1 steps 3-4: new absmax per block, section 2's index, the sign fix for signed states.
     Returns (codes uint8, absmax float32, scaled values s)."""
     absmax = sref.blockwise_absmax(x, BLOCK)
     s = sref.scaled_values(x, absmax, BLOCK)
@@ -154,7 +154,7 @@ class Result8:
 
 def optimizer_8bit(name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1,
                    absmax2, weight_decay, gnorm_scale, skip_zeros=False) -> Result8:  # fmt: skip
-    """optimizer_update_8bit_blockwise per SPEC 5.1 (state tensors keep their shapes)."""
+    """optimizer_update_8bit_blockwise per docs/semantics.md 5.1 (state tensors keep their shapes)."""
     if name in ("lamb", "lars"):
         raise ValueError(name)
     n = p.numel()
@@ -227,7 +227,7 @@ class Result32:
 
 def optimizer_32bit(name, g, p, state1, state2, unorm_vec, max_unorm, param_norm, beta1, beta2, beta3, alpha, eps,
                     weight_decay, step, lr, gnorm_scale, skip_zeros=False) -> Result32:  # fmt: skip
-    """optimizer_update_32bit per SPEC 5.2."""
+    """optimizer_update_32bit per docs/semantics.md 5.2."""
     n = p.numel()
     h = Hyper.make(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)
     gv, pv = _np(g), _np(p)

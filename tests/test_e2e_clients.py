@@ -93,7 +93,7 @@ def reference_scales(absmax: torch.Tensor, double_quant: bool) -> tuple[torch.Te
 
 
 def reference_dequantized_model(original, names, quant_type="nf4", double_quant=True):
-    """The original fp32 model with each quantized Linear's weight replaced by its SPEC round trip."""
+    """The original fp32 model with each quantized Linear's weight replaced by its docs/semantics.md round trip."""
     sd = {k: v.clone() for k, v in original.state_dict().items()}
     for name in names:
         W = sd[name + ".weight"]
@@ -150,7 +150,7 @@ def test_from_pretrained_4bit_quantizes_bit_exact_and_forward_matches(saved_mode
     with torch.no_grad():
         want = reference_dequantized_model(original, layers, quant_type, double_quant)(input_ids=ids).logits
         full_precision = original(input_ids=ids).logits
-    # Both models compute with the same weights (the SPEC dequantization, in float32), so only
+    # Both models compute with the same weights (the docs/semantics.md dequantization, in float32), so only
     # summation-order noise of float32 matmuls may separate them: a few ulps of logits of
     # magnitude < 1, while quantizing moves the logits by ~0.07, which the next line checks so
     # that this comparison can tell the two apart.
@@ -192,7 +192,7 @@ def test_qlora_training_with_adamw8bit(saved_model):
 
     assert {"bnb_dequantize_4bit_nf4_f32", "bnb_dequantize_blockwise_f32", "bnb_optimizer_8bit_adam_f32"} <= trained
     assert all(math.isfinite(x) for x in losses), losses
-    # LoRA's B starts at zero, so the first loss is the base model's: the SPEC-dequantized model's.
+    # LoRA's B starts at zero, so the first loss is the base model's: the docs/semantics.md-dequantized model's.
     with torch.no_grad():
         want_first = reference_dequantized_model(original, quantized_names(original))(
             input_ids=ids, labels=ids

@@ -5,7 +5,7 @@ A tiny Llama is built from a config (no downloads), given a few large feature ch
 gains) so that its activations carry LLM.int8() outliers past the default threshold of 6.0, saved,
 and reloaded in 8-bit. Loading quantizes every Linear but the head with our kernel; the forward
 pass runs every Linear8bitLt through our quantization and fused mixed int8 product. The logits are
-compared with (1) the same model whose int8 layers compute tests/reference_int8.py's SPEC
+compared with (1) the same model whose int8 layers compute tests/reference_int8.py's docs/semantics.md
 composition, (2) stock bitsandbytes' own CPU int8 path on the same quantized weights, and (3) the
 fp32 model, within the int8 error.
 """
@@ -114,10 +114,10 @@ def test_from_pretrained_8bit_forward(saved_model):
         stock = model(input_ids=ids).logits  # bitsandbytes' own CPU int8 path, same int8 weights
         full = original(input_ids=ids).logits
     scale = full.abs().max().item()
-    # (1) SPEC's composition: the same int8 maths; the layers' outputs agree to float32 rounding of
+    # (1) docs/semantics.md's composition: the same int8 maths; the layers' outputs agree to float32 rounding of
     # the outlier sums, which the following fp32 ops carry along.
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5 * scale)
-    # (2) stock bitsandbytes' CPU path is SPEC's algorithm with two float deviations: its
+    # (2) stock bitsandbytes' CPU path is docs/semantics.md's algorithm with two float deviations: its
     # int8_mm_dequant multiplies by 6.200124e-05 (fl32(1/16129) is 6.200012e-05: 2e-5 relative),
     # and its quantizer scales by fl32(fl32(1/max) * 127) (torch's `127.0 / t` is a reciprocal
     # times 127), not fl32(127 / max), which moves a code by one where the product sits next to a

@@ -64,7 +64,7 @@ def stock(name, args):
 
 
 def int8_double_quant_reference(A, threshold):
-    """SPEC.md section 6, as CUDA computes it: rows like int8_vectorwise_quant; columns scaled by
+    """docs/semantics.md section 6, as CUDA computes it: rows like int8_vectorwise_quant; columns scaled by
     their absmax over non-outliers, outliers zeroed, rounded half to even."""
     rows = torch.ops.bitsandbytes.int8_vectorwise_quant(A.clone(), threshold)
     A32 = A.float()

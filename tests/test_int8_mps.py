@@ -1,5 +1,5 @@
 """On Apple hardware: the LLM.int8() kernels on the native and shader tiers, at model sizes, against
-tests/reference_int8.py (SPEC.md section 6), and bitsandbytes' Linear8bitLt on `mps` tensors
+tests/reference_int8.py (docs/semantics.md section 6), and bitsandbytes' Linear8bitLt on `mps` tensors
 served by them. Skipped elsewhere.
 
 Codes, statistics, outlier columns and int32 products must be bit-exact on the GPU. Dequantized

@@ -1,9 +1,9 @@
-"""The LLM.int8() kernels under the emulator, against tests/reference_int8.py (SPEC.md section 6).
+"""The LLM.int8() kernels under the emulator, against tests/reference_int8.py (docs/semantics.md section 6).
 
 Every op runs through the op layer's launchers (bnb_mps.ops.int8) on an executor that forwards to
 the emulator with a chosen lane order, race checking and poison byte. Quantized codes, statistics
 and int32 products must equal the reference bit for bit; dequantized outputs too (the kernels
-round the way SPEC writes it), except int8_mixed_scaled_mm's fp outlier part, whose float32 sum
+round the way docs/semantics.md writes it), except int8_mixed_scaled_mm's fp outlier part, whose float32 sum
 is compared with the exact sum within the rounding it allows.
 """
 
@@ -485,7 +485,7 @@ def test_random_quant(library, rows, cols, dtype, threshold, scale, seed):
 def test_quant_matches_stock_bitsandbytes_on_finite_data(library):
     """An independent cross-check: bitsandbytes' own (pure PyTorch) int8_vectorwise_quant agrees
     with the kernels on ordinary fp16 data, outliers included, except that it scales by
-    fl32(fl32(1 / max) * 127) (torch's `127.0 / t` is a reciprocal times 127) where SPEC has
+    fl32(fl32(1 / max) * 127) (torch's `127.0 / t` is a reciprocal times 127) where docs/semantics.md has
     fl32(127 / max): codes may then differ by one, only where the two scaled values round apart."""
     from bitsandbytes.backends.default import ops as default_ops  # noqa: F401  (registers "default")
 

@@ -1,9 +1,9 @@
-"""The 4-bit GEMV / GEMM kernels under the emulator, against the float64 reference of SPEC section 4
+"""The 4-bit GEMV / GEMM kernels under the emulator, against the float64 reference of docs/semantics.md section 4
 (tests/reference_matmul_4bit.py).
 
 Calls go through the op layer (bnb_mps.ops.matmul_4bit) to an executor that forwards to the
 emulator, so each case checks the launcher's choice of kernel and geometry together with the
-kernel. Weights are quantized by the SPEC reference quantizer (tests/spec_reference.py), not by
+kernel. Weights are quantized by the docs/semantics.md reference quantizer (tests/spec_reference.py), not by
 the kernels.
 """
 
@@ -219,7 +219,7 @@ def test_identity_weight_reproduces_A(library, M, quant_type):
 @pytest.mark.parametrize("M", [1, 4, 10])
 def test_gemv_reads_the_code_table(library, M):
     """gemv_4bit's code is data: bitsandbytes' NF4 / FP4 codes and an arbitrary table give the
-    SPEC result with that table (no quant type is inferred from it)."""
+    docs/semantics.md result with that table (no quant type is inferred from it)."""
     ex = Emulated(library, order="random", seed=M)
     N, K, bs = 24, 96, 64
     nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K, generator=gen(5)), bs, "nf4")

@@ -1,5 +1,5 @@
 """On Apple hardware: the 4-bit GEMV / GEMM kernels on the native and shader tiers, against the
-float64 reference of SPEC section 4 (the same shapes, references and tolerances as the emulator
+float64 reference of docs/semantics.md section 4 (the same shapes, references and tolerances as the emulator
 tests, plus real model sizes), and bitsandbytes' API on `mps` tensors through them. Skipped
 elsewhere."""
 

@@ -1,11 +1,11 @@
-"""The optimizer kernels under the emulator, against tests/reference_optim.py (SPEC section 5).
+"""The optimizer kernels under the emulator, against tests/reference_optim.py (docs/semantics.md section 5).
 
 Every call goes through the op layer's launchers (bnb_mps.ops.optim) on an executor that forwards
 to the emulator with a chosen lane order, race checking and poison byte, so each case checks the
 op layer's scalars, flags and geometry together with the kernel's maths.
 
 The emulator computes in IEEE float32 without fused multiply-adds, as the reference does, so here
-the results are not only within SPEC 5.3's one-step tolerances (asserted by `compare_*`) but
+the results are not only within docs/semantics.md 5.3's one-step tolerances (asserted by `compare_*`) but
 identical to the reference; the update-norm sum is the one exception (float32 summation order),
 which moves p by at most a couple of ulps.
 """
@@ -176,7 +176,7 @@ def specials(n, dtype, seed):
 @pytest.mark.parametrize("name", oi.NAMES_8BIT)
 def test_8bit_non_finite_gradients(library, name):
     """2-state: where g is NaN or +-inf the element's states become 0 and p stays; 1-state: the
-    values propagate (SPEC 5.1); the rest of the block is unaffected either way."""
+    values propagate (docs/semantics.md 5.1); the rest of the block is unaffected either way."""
     ex = EmulatedExecutor(library, order="reverse")
     for dtype in oi.DTYPES:
         args = oi.args_8bit(name, N8, dtype, seed=30, g=specials(N8, dtype, 31))
@@ -203,7 +203,7 @@ def test_32bit_non_finite_gradients(library):
 @pytest.mark.parametrize("name", oi.NAMES_8BIT)
 def test_8bit_all_zero_blocks(library, name):
     """A block whose new states are all zero: absmax 0, no 0 * inf; +0.0 in state1 is stored as
-    code 255 (SPEC 5.1 step 4 read literally, as CUDA does), -0.0 as 0; state2 codes are 0."""
+    code 255 (docs/semantics.md 5.1 step 4 read literally, as CUDA does), -0.0 as 0; state2 codes are 0."""
     ex = EmulatedExecutor(library, order="random", seed=2)
     n = 3 * 256 + 5
     args = oi.args_8bit(name, n, torch.float32, seed=34, weight_decay=0.0)
@@ -279,7 +279,7 @@ def test_skip_zeros(library, dtype):
 
 
 def test_large_values_and_overflow(library):
-    """Gradients whose squares overflow float32: v = inf, absmax inf, codes by SPEC's arithmetic."""
+    """Gradients whose squares overflow float32: v = inf, absmax inf, codes by docs/semantics.md's arithmetic."""
     ex = EmulatedExecutor(library)
     g = torch.randn(N8, generator=oi.gen(39)) * 0.01
     g[:20] = 3e19
@@ -518,7 +518,7 @@ def test_random_gradients(library, grads, name, dtype, scale, step, skip):
 
 
 def test_reference_sign_fix_and_zero_block_readings():
-    """The reference's readings of SPEC 5.1 step 4, checked by hand on a few values."""
+    """The reference's readings of docs/semantics.md 5.1 step 4, checked by hand on a few values."""
     c = oi.CODE.numpy()
     q, absmax, _ = R.requantize(np.array([0.0, -0.0, -1e-30, 1e-30] + [0.5] * 252, np.float32), c, signed=True)
     assert absmax[0] == np.float32(0.5)

@@ -1,6 +1,6 @@
 """bitsandbytes' optimizer classes on bnb_mps' kernels (under the emulator, on CPU tensors), against
 torch.optim and plain Lion / AdEMAMix references, with bitsandbytes' own tolerance rules
-(SPEC.md 5.3, from bitsandbytes' tests/test_optim.py).
+(docs/semantics.md 5.3, from bitsandbytes' tests/test_optim.py).
 
 Inside `use_emulated_kernels()` every `optimizer_update_*` call bitsandbytes makes runs the Metal
 kernel; the recorder counts the launches (one per parameter tensor per step; two with update-norm
@@ -189,9 +189,9 @@ def run_32bit(name: str, shape, gtype, steps: int = 20, seed: int = 0, device: s
     at most 15 parameters not close, 10 after a reload; fp32 parameters never re-synchronised)
     are calibrated for its 20 steps: Lion's sign(beta1*m + (1-beta1)*g) flips wherever that sum
     is within a rounding of 0, and any rounding other than torch's own (CUDA's fused
-    multiply-adds, SPEC's one rounding per operation) leaves such a parameter 2*lr apart for
-    good: measured here for SPEC's float32 formulas against PlainLion, 10 at step 20 and 31 at
-    step 50 on 1024x4097 (see test_32bit_lion_over_50_steps for SPEC 5.3's rules)."""
+    multiply-adds, docs/semantics.md's one rounding per operation) leaves such a parameter 2*lr apart for
+    good: measured here for docs/semantics.md's float32 formulas against PlainLion, 10 at step 20 and 31 at
+    step 50 on 1024x4097 (see test_32bit_lion_over_50_steps for docs/semantics.md 5.3's rules)."""
     make_ref, make_bnb, states = THIRTY_TWO_BIT[name]
     torch.manual_seed(seed)
     p1 = torch.randn(*shape, dtype=gtype) * 0.1
@@ -295,7 +295,7 @@ def test_32bit_full_matrix(name, shape, gtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1024, 1024), (1024, 4097)], ids=shape_id)
 def test_32bit_lion_over_50_steps(shape):
-    """32-bit Lion over 50 steps with SPEC 5.3's rules (states within 1e-6 / 1e-5, parameter mean
+    """32-bit Lion over 50 steps with docs/semantics.md 5.3's rules (states within 1e-6 / 1e-5, parameter mean
     errors below 6e-5 / 6e-4): the sign flips near 0 (see run_32bit) stay a handful of elements."""
     torch.manual_seed(0)
     p1 = torch.randn(*shape) * 0.1
@@ -390,7 +390,7 @@ def test_state_format_is_bitsandbytes_own(cls):
 
 def test_stock_cpu_state_loads_and_continues():
     """A state written by stock bitsandbytes' CPU optimizer loads and continues on our kernels
-    (first step exactly as SPEC's reference from that state; then as close to the stock
+    (first step exactly as docs/semantics.md's reference from that state; then as close to the stock
     continuation as bitsandbytes' tolerances ask), and ours loads into the stock one."""
     r = oi.gen(7)
     shape = (256, 40)
@@ -465,7 +465,7 @@ def test_lamb_and_lars_8bit_classes_are_refused():
 
 def test_scheduled_ademamix_numbers_arrive_as_plain_numbers():
     """AdEMAMix8bit with t_alpha / t_beta3 passes the step's alpha and beta3 as numbers: the
-    kernel's step equals SPEC's reference with the schedule's values."""
+    kernel's step equals docs/semantics.md's reference with the schedule's values."""
     p = torch.nn.Parameter(torch.randn(64, 80, generator=oi.gen(9)) * 0.1)
     opt = bnb.optim.AdEMAMix8bit([p], t_alpha=10, t_beta3=10)
     grads = [torch.randn(64, 80, generator=oi.gen(10 + i)) * 0.01 for i in range(4)]

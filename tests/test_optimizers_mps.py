@@ -1,9 +1,9 @@
-"""On Apple hardware: the optimizer kernels on the native and shader tiers against SPEC section 5
-(tests/reference_optim.py) with SPEC 5.3's one-step tolerances; bitsandbytes' optimizer classes on
+"""On Apple hardware: the optimizer kernels on the native and shader tiers against docs/semantics.md section 5
+(tests/reference_optim.py) with docs/semantics.md 5.3's one-step tolerances; bitsandbytes' optimizer classes on
 `mps` parameters against torch.optim with bitsandbytes' tolerances; paged optimizers and
 transformers' `optim="paged_adamw_8bit"` on mps. Skipped elsewhere.
 
-The deviations measured on a Mac are printed (`pytest -s`): SPEC allows 2 ulp on p, code
+The deviations measured on a Mac are printed (`pytest -s`): docs/semantics.md allows 2 ulp on p, code
 differences near thresholds and 1 ulp on absmax; where the GPU computes exactly as the reference
 does, every figure is 0. p's ulps are counted at the magnitude of the step's operands (old p, new
 p): random states make some updates nearly cancel p, and there a different rounding of the update

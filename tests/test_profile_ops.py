@@ -1,6 +1,6 @@
 """Profiling the project's kernels through the op layer: `use_emulated_kernels(profile=True)`
 records one KernelProfile per launch, leaves the results bit-identical, and the traffic it
-reports matches the layout SPEC.md gives each op's buffers."""
+reports matches the layout docs/semantics.md gives each op's buffers."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_quantize_4bit_profile(dtype):
     assert p.kernel == prof.launched[0]
     a, packed, absmax, scalar = p.buffers
     assert scalar is None
-    # SPEC section 3: A is read once, every packed byte and every absmax written once.
+    # docs/semantics.md section 3: A is read once, every packed byte and every absmax written once.
     assert (a.load_bytes, a.unique_bytes, a.store_bytes) == (n * dtype.itemsize, n * dtype.itemsize, 0)
     assert (packed.store_bytes, packed.unique_bytes, packed.load_bytes) == (n // 2, n // 2, 0)
     assert (absmax.store_bytes, absmax.unique_bytes) == (4 * (n // bs), 4 * (n // bs))

@@ -1,7 +1,7 @@
 """Validates tests/spec_reference.py against stock bitsandbytes on the CPU.
 
-Exact where SPEC.md says bitsandbytes agrees with it (dequantize paths, absmax, NF4 codes of the
-PyTorch path); within SPEC's documented deviations elsewhere (the native CPU 8-bit quantizer's
+Exact where docs/semantics.md says bitsandbytes agrees with it (dequantize paths, absmax, NF4 codes of the
+PyTorch path); within docs/semantics.md's documented deviations elsewhere (the native CPU 8-bit quantizer's
 lookup table, the PyTorch path's tie / all-zero / FP4-threshold behaviour).
 """
 
@@ -66,7 +66,7 @@ def test_code_anchors_and_order():
 
 def test_4bit_tables_match_bitsandbytes():
     assert np.array_equal(ref.NF4_TABLE, get_4bit_type("nf4", device="cpu").numpy())
-    # Equal as numbers; SPEC makes nibble 8 a negative zero (bnb's table stores +0.0 there).
+    # Equal as numbers; docs/semantics.md makes nibble 8 a negative zero (bnb's table stores +0.0 there).
     assert np.array_equal(ref.FP4_TABLE, get_4bit_type("fp4", device="cpu").numpy())
     assert np.signbit(ref.FP4_TABLE[8])
 
@@ -102,8 +102,8 @@ def test_quantize_blockwise_vs_native_cpu(dtype, blocksize):
     q_bnb, absmax_bnb = OPS.quantize_blockwise(A, CODE, blocksize)
     assert torch.equal(absmax, absmax_bnb)
     diff = (q.int() - q_bnb.int()).abs().numpy()
-    # SPEC: the CPU lookup-table quantizer differs by 1-3 codes in about 0.1-0.25% of elements
-    # (more with bf16, whose values often hit a threshold exactly: SPEC breaks those ties to even).
+    # docs/semantics.md: the CPU lookup-table quantizer differs by 1-3 codes in about 0.1-0.25% of elements
+    # (more with bf16, whose values often hit a threshold exactly: docs/semantics.md breaks those ties to even).
     assert diff.max() <= 3
     assert (diff[~exact_ties(A, absmax, blocksize)] > 0).mean() <= 0.003
     # The reference is a nearest code of the float32 scaled value (up to the rounding of the
@@ -134,9 +134,9 @@ def test_quantize_blockwise_vs_pytorch_path(dtype, blocksize):
     plain[full:] = False
     # Full blocks without ties: identical.
     assert np.array_equal(q[plain], q_def[plain])
-    # Exact ties: SPEC goes to the even index of {k, k+1}, the PyTorch path to k.
+    # Exact ties: docs/semantics.md goes to the even index of {k, k+1}, the PyTorch path to k.
     assert np.all(q[ties] % 2 == 0) and np.array_equal(q[ties], q_def[ties] + q_def[ties] % 2)
-    # All-zero block: SPEC index 0, the PyTorch path 127.
+    # All-zero block: docs/semantics.md index 0, the PyTorch path 127.
     assert np.all(q[zero_block] == 0) and np.all(q_def[zero_block] == 127)
     # Tail: the PyTorch path divides instead of multiplying by the reciprocal (1 ulp apart at most).
     assert np.abs(q[full:] - q_def[full:]).max() <= 1
@@ -189,7 +189,7 @@ def test_dequantize_4bit_exact(quant_type, dtype, blocksize):
     packed = torch.randint(0, 256, (n // 2, 1), dtype=torch.uint8, generator=g)
     absmax = torch.rand(n // blocksize, generator=g) * 4
     expected = ref.dequantize_4bit(packed, absmax, blocksize, quant_type, shape, dtype)
-    # bitsandbytes' FP4 tables give +0.0 for nibble 8 where SPEC gives -0.0: compare as numbers there.
+    # bitsandbytes' FP4 tables give +0.0 for nibble 8 where docs/semantics.md gives -0.0: compare as numbers there.
     same = bits_equal if quant_type == "nf4" else torch.equal
     assert same(OPS.dequantize_4bit(packed, absmax, blocksize, quant_type, shape, dtype), expected)
     assert same(default_path(OPS.dequantize_4bit.default, packed, absmax, blocksize, quant_type, shape, dtype), expected)
@@ -244,7 +244,7 @@ def test_quantize_fp4_vs_pytorch_path(dtype, blocksize):
     nib = ref.unpack_nibbles(packed, n)
     nib_def = ref.unpack_nibbles(p_def, n)
     differ = nib != nib_def
-    # SPEC: about 0.5% of FP4 nibbles differ (tiny values' sign, the hand-written thresholds).
+    # docs/semantics.md: about 0.5% of FP4 nibbles differ (tiny values' sign, the hand-written thresholds).
     assert differ.mean() <= 0.01
     # Where they differ, the values are neighbours in FP4's sorted levels (or both zeros).
     levels = np.unique(ref.FP4_TABLE)

@@ -3,7 +3,7 @@
 Builds the wheel (into a temporary build directory, so the checkout's editable build is left
 alone), installs it into a fresh virtual environment that sees torch and bitsandbytes but not
 the checkout, and there runs a kernel under the emulator through bitsandbytes' own op, whose
-result is compared here with the SPEC reference.
+result is compared here with the docs/semantics.md reference.
 """
 
 from __future__ import annotations

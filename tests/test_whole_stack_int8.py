@@ -3,7 +3,7 @@
 Inside `use_emulated_kernels()` the emulated tier serves the `cpu` dispatch key, so
 `bitsandbytes.functional`, `bnb.nn.Linear8bitLt` and `Int8Params` on CPU tensors launch the
 Metal kernels of csrc/kernels/int8*.metal. Results are checked against tests/reference_int8.py
-(SPEC.md section 6, composed the way bitsandbytes composes the ops) and against float64 maths.
+(docs/semantics.md section 6, composed the way bitsandbytes composes the ops) and against float64 maths.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_linear8bitlt_backward(threshold):
     assert ((gx - g2.double() @ W.double()).abs() <= g2.double().abs() @ (SCB.double()[:, None] / 254).expand_as(W)
             + mags * 2.0**-9 + ref.spacing(gx64, torch.float16)).all()  # fmt: skip
     # grad_W: bitsandbytes' formula, int8_scaled_mm(Cgrad^T, CAt^T, SCgradt, SCAt) [+ g^T @ subA on
-    # the outlier columns], from SPEC's quantizations: bit for bit for the int8 part, and within
+    # the outlier columns], from docs/semantics.md's quantizations: bit for bit for the int8 part, and within
     # fp16 rounding of its float64 value.
     _, CAt, _, SCAt, cols = ref.int8_double_quant(x2, threshold)
     Cgrad, _, _, SCgradt, _ = ref.int8_double_quant(g2, 0.0)

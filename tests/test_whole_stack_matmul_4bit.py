@@ -1,9 +1,9 @@
 """bitsandbytes' own 4-bit matmul API (Linear4bit, bnb.matmul_4bit, F.gemv_4bit) running bnb_mps'
-GEMV / GEMM kernels under the emulator, against the float64 reference of SPEC section 4.
+GEMV / GEMM kernels under the emulator, against the float64 reference of docs/semantics.md section 4.
 
 Inside `use_emulated_kernels()` the emulated tier serves the `cpu` dispatch key. Weights are
 quantized by the kernels too; the reference re-derives the packed weight and its scales from
-SPEC (tests/spec_reference.py) and checks them first, so every expected value is independent of
+docs/semantics.md (tests/spec_reference.py) and checks them first, so every expected value is independent of
 the code under test.
 """
 
@@ -36,7 +36,7 @@ def matmul_launches(kernels) -> list[str]:
 
 
 def reference_weight(W: torch.Tensor, packed, quant_state, quant_type, blocksize, nested) -> np.ndarray:
-    """dequant(W) from SPEC, after checking that the kernels quantized W exactly as SPEC says."""
+    """dequant(W) from docs/semantics.md, after checking that the kernels quantized W exactly as docs/semantics.md says."""
     want_packed, want_absmax = ref.quantize_4bit(W, blocksize, quant_type)
     assert torch.equal(packed.reshape(-1).view(torch.uint8), want_packed.reshape(-1))
     shape = tuple(W.shape)
@@ -158,6 +158,6 @@ def test_functional_gemv_4bit(quant_type):
         F.gemv_4bit(A, packed.t(), out=out, state=state)
     assert matmul_launches(kernels) == ["bnb_gemv_4bit_absmax_f16"] * 2
     assert "bnb_dequantize_blockwise_f32" in kernels.launched
-    # bitsandbytes' own absmax dequantization (fl32(code * nested) + offset in torch) is SPEC's.
+    # bitsandbytes' own absmax dequantization (fl32(code * nested) + offset in torch) is docs/semantics.md's.
     R.check_accuracy(y.reshape(1, N), A.reshape(1, K), Wq)
     assert torch.equal(out, y)

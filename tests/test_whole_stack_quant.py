@@ -2,7 +2,7 @@
 
 Inside `use_emulated_kernels()` the emulated tier serves the `cpu` dispatch key, so
 `bitsandbytes.functional` and `bitsandbytes.nn` on CPU tensors launch the Metal kernels of
-csrc/kernels. Results must be the SPEC results (tests/spec_reference.py), bit for bit.
+csrc/kernels. Results must be the docs/semantics.md results (tests/spec_reference.py), bit for bit.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_params4bit_with_double_quant():
 
 def test_agrees_with_stock_bitsandbytes_where_spec_says_it_does():
     """absmax and dequantized values are the same as bitsandbytes' CPU path; 8-bit codes differ
-    only where SPEC documents the CPU quantizer's lookup table (at most 3 codes, rarely)."""
+    only where docs/semantics.md documents the CPU quantizer's lookup table (at most 3 codes, rarely)."""
     A = rand(64, 256, seed=11)
     stock_q, stock_absmax = torch.ops.bitsandbytes.quantize_blockwise(A, CODE, 256)
     stock_4, stock_absmax4 = torch.ops.bitsandbytes.quantize_4bit(A, 64, "nf4", torch.uint8)

@@ -1,4 +1,4 @@
-"""8-bit blockwise quantization (SPEC.md section 2): argument checks and kernel launchers.
+"""8-bit blockwise quantization (docs/semantics.md section 2): argument checks and kernel launchers.
 
 Launchers allocate outputs once on the input's device and launch one kernel of
 `csrc/kernels/quantize_8bit.metal` by host name, with the geometry documented there.

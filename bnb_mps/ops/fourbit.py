@@ -1,4 +1,4 @@
-"""4-bit NF4/FP4 quantization (SPEC.md section 3): argument checks and kernel launchers.
+"""4-bit NF4/FP4 quantization (docs/semantics.md section 3): argument checks and kernel launchers.
 
 Launchers allocate outputs once on the input's device and launch one kernel of
 `csrc/kernels/quantize_4bit.metal` by host name, with the geometry documented there.

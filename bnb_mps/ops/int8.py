@@ -1,4 +1,4 @@
-"""LLM.int8() ops (SPEC.md section 6): argument checks and kernel launchers.
+"""LLM.int8() ops (docs/semantics.md section 6): argument checks and kernel launchers.
 
 Launchers allocate outputs once on the input's device and launch kernels of
 `csrc/kernels/int8.metal` by host name, with the geometry documented there:
@@ -39,7 +39,7 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _rows(A: torch.Tensor) -> int:
-    """numel / A.shape[-1] (SPEC), also when the last dimension is 0."""
+    """numel / A.shape[-1] (docs/semantics.md), also when the last dimension is 0."""
     return math.prod(A.shape[:-1]) if A.dim() else 0
 
 
@@ -153,7 +153,7 @@ _FLOAT32_INF_BITS = 0x7F800000
 
 def _threshold_bits(threshold: float) -> int:
     """Bit pattern of the smallest float32 >= threshold (> 0): for every float32 x, |x| >= that
-    float is exactly the real comparison |x| >= threshold (SPEC: outliers are |A| >= threshold)."""
+    float is exactly the real comparison |x| >= threshold (docs/semantics.md: outliers are |A| >= threshold)."""
     try:
         nearest = struct.unpack("<f", struct.pack("<f", threshold))[0]
     except OverflowError:  # beyond the float32 range: only infinities reach it
@@ -210,7 +210,7 @@ def int8_vectorwise_quant_kernel(executor, A: torch.Tensor, threshold=0.0):
     flags, count = _outlier_workspace(cols, A.device)
     executor.launch(f"bnb_int8_vectorwise_quant_outliers_{dt}", **geometry,
                     args=[aligned(A), CA, row_stats, uint32(cols), flags, uint32(_threshold_bits(threshold))])  # fmt: skip
-    # One row: every element of an outlier column is an outlier, already 0 (SPEC: rows > 1 only).
+    # One row: every element of an outlier column is an outlier, already 0 (docs/semantics.md: rows > 1 only).
     outlier_cols = _finish_outliers(executor, flags, count, CA, rows if rows > 1 else 0, cols)
     return CA, row_stats, outlier_cols
 

@@ -1,4 +1,4 @@
-"""4-bit NF4/FP4 matrix products, gemv_4bit and gemm_4bit (SPEC.md section 4): argument checks and
+"""4-bit NF4/FP4 matrix products, gemv_4bit and gemm_4bit (docs/semantics.md section 4): argument checks and
 kernel launchers (csrc/kernels/gemm_4bit.metal).
 """
 

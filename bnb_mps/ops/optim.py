@@ -1,10 +1,10 @@
-"""Optimizer updates (SPEC.md section 5): argument checks and kernel launchers.
+"""Optimizer updates (docs/semantics.md section 5): argument checks and kernel launchers.
 
 Both ops update the caller's tensors in place with one kernel of `csrc/kernels/optimizer.metal`
 per call (two for the 32-bit op with update-norm clipping: the norm pass, then the update), with
 the geometry documented there. Nothing is read back from the device: the scalars the kernels need
 (bias corrections, the decoupled decay factor) are computed here from the call's numbers, in
-float32 as SPEC section 5 writes them.
+float32 as docs/semantics.md section 5 writes them.
 """
 
 from __future__ import annotations

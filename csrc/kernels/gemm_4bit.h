@@ -1,6 +1,6 @@
-// 4-bit (NF4 / FP4) matrix products: y = A @ dequant(W).T (+ bias), SPEC.md section 4.
+// 4-bit (NF4 / FP4) matrix products: y = A @ dequant(W).T (+ bias), docs/semantics.md section 4.
 //
-// W has logical shape [N, K] and is quantized flat (SPEC section 3): element (n, k) is nibble
+// W has logical shape [N, K] and is quantized flat (docs/semantics.md section 3): element (n, k) is nibble
 // n*K + k of the packed bytes (nibble 2j = high nibble of byte j) with block scale
 // scale(b), b = (n*K + k) / blocksize. Blocks may straddle rows. A is [M, K] with a row stride
 // `lda` (elements), y is [M, N] contiguous. Everything accumulates in float32 and is rounded once
@@ -102,7 +102,7 @@ inline float bnb_mm_offset(device const uchar* p, uint kind) {
     return as_type<float>(bits << 16);
 }
 
-// The scale of block b: absmax[b], or the nested decode of SPEC section 3.
+// The scale of block b: absmax[b], or the nested decode of docs/semantics.md section 3.
 template <bool NESTED>
 inline float bnb_mm_scale(uint b, device const float* absmax, device const uchar* absmax_8bit,
                           device const float* absmax_code, float offset) {

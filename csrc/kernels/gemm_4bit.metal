@@ -1,4 +1,4 @@
-// 4-bit (NF4 / FP4) GEMV and GEMM, y = A @ dequant(W).T (+ bias) (SPEC.md section 4). Bodies and
+// 4-bit (NF4 / FP4) GEMV and GEMM, y = A @ dequant(W).T (+ bias) (docs/semantics.md section 4). Bodies and
 // design notes: gemm_4bit.h.
 //
 // Host names: <sc> is `absmax` (plain float32 block scales) or `nested` (double-quantized);

@@ -1,4 +1,4 @@
-// LLM.int8() quantization kernels (SPEC.md section 6): row-wise int8 quantization with outlier
+// LLM.int8() quantization kernels (docs/semantics.md section 6): row-wise int8 quantization with outlier
 // columns, the column statistics of int8_double_quant, and the element-wise dequantizations.
 // The int8 matrix products are in int8_matmul.h. Launch geometry and buffers: int8.metal.
 #pragma once

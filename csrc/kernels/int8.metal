@@ -1,4 +1,4 @@
-// LLM.int8() kernels (SPEC.md section 6). Bodies: int8.h (quantization, dequantization),
+// LLM.int8() kernels (docs/semantics.md section 6). Bodies: int8.h (quantization, dequantization),
 // int8_matmul.h (exact int8 products and their fused dequantization).
 //
 // Host names: <dt> is f16 (half), bf16 (bfloat) or f32 (float). Tensors are flat, contiguous and

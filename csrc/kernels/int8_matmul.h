@@ -1,4 +1,4 @@
-// Exact int8 matrix products (SPEC.md section 6): acc[m][n] = sum_k A[m][k] * B[n][k] as int32,
+// Exact int8 matrix products (docs/semantics.md section 6): acc[m][n] = sum_k A[m][k] * B[n][k] as int32,
 // A [M, K] and B [N, K] int8, row-major (B as nn.Linear stores its weight). The same products
 // feed three outputs: the int32 matrix (int8_linear_matmul), and, fused so that no int32 matrix
 // ever reaches memory, its dequantization (int8_scaled_mm) plus the fp outlier columns
@@ -238,7 +238,7 @@ inline uint bnb_int8_outlier_col(long c, uint K) {
 
 // What int8_scaled_mm writes for output (m, n): T(dequant(acc) + bias). With n_out outlier
 // columns (int8_mixed_scaled_mm) that value is then added, in float32, to
-// sum_j A[m][c_j] * T(CB[n][c_j] * SCB[n] * fl32(1/127)) and rounded to T again (SPEC: the int8
+// sum_j A[m][c_j] * T(CB[n][c_j] * SCB[n] * fl32(1/127)) and rounded to T again (docs/semantics.md: the int8
 // part rounded to A's dtype, plus subA @ dequantized weight columns in A's dtype).
 template <typename T, typename BiasT>
 inline void bnb_int8_store_scaled(int acc, uint m, uint n, uint N, uint K, device const char* B,

@@ -1,4 +1,4 @@
-// Optimizer updates (SPEC.md section 5): the 8-bit blockwise state kernel and the 32-bit state
+// Optimizer updates (docs/semantics.md section 5): the 8-bit blockwise state kernel and the 32-bit state
 // kernel, one template each over the parameter dtype T and the optimizer OPT.
 //
 // Both are memory-bound: each lane takes a contiguous run of 8 elements (vector loads and stores
@@ -77,7 +77,7 @@ inline float bnb_sign(float x) {
     return bnb_is_positive(-x) ? -1.0f : 0.0f;
 }
 
-// One element's update (SPEC.md 5.1 / 5.2 formulas, float32, in the order SPEC writes them).
+// One element's update (docs/semantics.md 5.1 / 5.2 formulas, float32, in the order docs/semantics.md writes them).
 // g is the raw gradient; p, m (state1), v (state2) and m2 (AdEMAMix's second momentum) hold the
 // old values and receive the new ones. lr_step is the learning rate of the step (lr, or lr times
 // the clipping scale); decoupled weight decay uses h.decay. Returns u, the element's update
@@ -85,7 +85,7 @@ inline float bnb_sign(float x) {
 template <uint OPT>
 inline float bnb_optim_element(float g, thread float& p, thread float& m, thread float& v, thread float& m2,
                                float lr_step, thread const bnb_optim_hyper& h) {
-    // One rounding per operation, as SPEC writes the formulas: no fused multiply-adds here (a
+    // One rounding per operation, as docs/semantics.md writes the formulas: no fused multiply-adds here (a
     // contracted beta * m + (1 - beta) * g differs from the float32 reference by up to half an
     // ulp of the product, which is many ulps of m where the two terms nearly cancel).
 #pragma clang fp contract(off)
@@ -201,10 +201,10 @@ inline void bnb_optim_store_codes8(device uchar* dst, uint idx, uint n, bool vec
 
 // --- 8-bit re-quantization ------------------------------------------------------------------------
 
-// q[k] = SPEC section 2's index of x[k] in a block whose absmax has the bits `amax_bits`
+// q[k] = docs/semantics.md section 2's index of x[k] in a block whose absmax has the bits `amax_bits`
 // (bnb_abs_bits of the absmax): the nearest code of fl32(x * fl32(1 / absmax)), ties to the even
 // index, NaN to 0. A block whose absmax is 0 gives index 0 directly (no 0 * inf).
-// With `signed_state`, then the sign fix (SPEC 5.1 step 4): when the sign bit of code[q] differs
+// With `signed_state`, then the sign fix (docs/semantics.md 5.1 step 4): when the sign bit of code[q] differs
 // from the sign bit of x, q steps one toward x's sign (q + 1 if x > 0, else q - 1, modulo 256).
 inline void bnb_optim_requantize8(thread const float* x, uint amax_bits, threadgroup const float* code,
                                   threadgroup const float* thresholds, bool signed_state, thread uint* q) {
@@ -416,7 +416,7 @@ template <typename T, uint OPT, bool NORM>
     uint sg [[simdgroup_index_in_threadgroup]]) {
     const bool two_states = OPT == BNB_OPTIM_ADAM || OPT == BNB_OPTIM_ADEMAMIX;
     const bool mix = OPT == BNB_OPTIM_ADEMAMIX;
-    // skip_zeros applies to adam and the 1-state optimizers, not to AdEMAMix (SPEC 5.2).
+    // skip_zeros applies to adam and the 1-state optimizers, not to AdEMAMix (docs/semantics.md 5.2).
     const bool skippable = OPT != BNB_OPTIM_ADEMAMIX;
     threadgroup float sums[BNB_OPTIM_SIMDS];
     threadgroup float total_tg[1];

@@ -1,4 +1,4 @@
-// Optimizer update kernels (SPEC.md section 5), in place. Bodies and design: optimizer.h.
+// Optimizer update kernels (docs/semantics.md section 5), in place. Bodies and design: optimizer.h.
 //
 // Host names: <opt> is adam, ademamix, momentum, rmsprop, adagrad or lion (bitsandbytes' "lamb"
 // runs the adam kernels and "lars" the momentum ones); <dt> is f16 (half), bf16 (bfloat) or f32

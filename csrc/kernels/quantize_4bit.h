@@ -1,4 +1,4 @@
-// 4-bit blockwise quantization, NF4 and FP4 (SPEC.md section 3).
+// 4-bit blockwise quantization, NF4 and FP4 (docs/semantics.md section 3).
 #pragma once
 
 #include "bnb_common.h"

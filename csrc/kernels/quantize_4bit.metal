@@ -1,4 +1,4 @@
-// 4-bit (NF4 / FP4) blockwise quantize / dequantize kernels (SPEC.md section 3). Bodies:
+// 4-bit (NF4 / FP4) blockwise quantize / dequantize kernels (docs/semantics.md section 3). Bodies:
 // quantize_4bit.h.
 //
 // Host names: <qt> is nf4 or fp4; <dt> is f16 (half), bf16 (bfloat) or f32 (float); <bs> is 32,

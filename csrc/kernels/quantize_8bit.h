@@ -1,4 +1,4 @@
-// 8-bit blockwise quantization with a 256-entry code (SPEC.md section 2).
+// 8-bit blockwise quantization with a 256-entry code (docs/semantics.md section 2).
 #pragma once
 
 #include "bnb_common.h"

@@ -1,4 +1,4 @@
-// 8-bit blockwise quantize / dequantize kernels (SPEC.md section 2). Bodies: quantize_8bit.h.
+// 8-bit blockwise quantize / dequantize kernels (docs/semantics.md section 2). Bodies: quantize_8bit.h.
 //
 // Host names: <dt> is f16 (half), bf16 (bfloat) or f32 (float); <bs> is 64, 128, 256, 512, 1024,
 // 2048 or 4096. n is the element count, uint32 (the op layer keeps n < 2^32 - 8192).
