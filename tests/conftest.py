@@ -27,6 +27,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def library():
+    """The project's kernel library under the emulator, built once per test session."""
+    from bnb_mps import emulator
+    from bnb_mps.msl import source
+
+    try:
+        return emulator.load(source.source())
+    except emulator.EmulatorError as e:  # the runtime extension is not built here
+        pytest.skip(str(e))
+
+
 @pytest.fixture(autouse=True)
 def _bnb_mps_kernels_reinstated():
     """Ops that a test's calls handed back to bitsandbytes (no GPU tier here) are registered

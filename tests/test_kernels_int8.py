@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import bitsandbytes  # noqa: F401  (defines the torch.ops.bitsandbytes schemas)
 import op_inputs
 import reference_int8 as ref
-from bnb_mps.msl import source as kernel_source
+from kernel_harness import EmulatedExecutor, NoLaunch
 from bnb_mps.ops import call, int8 as int8_ops
 from bnb_mps.ops.registry import OPS
 
@@ -29,36 +29,6 @@ emulator = pytest.importorskip("bnb_mps.emulator")
 ORDERS = ("forward", "reverse", "random")
 POISONS = (0x00, 0xFF)
 DTYPES = ref.DTYPES
-
-
-@pytest.fixture(scope="module")
-def library():
-    try:
-        return emulator.load(kernel_source.source())
-    except emulator.KernelError as e:  # the runtime extension is not built here
-        pytest.skip(str(e))
-
-
-class EmulatedExecutor:
-    """The Executor protocol over an emulator library, with the checks a GPU cannot give."""
-
-    name = "emulated"
-
-    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0):
-        self.lib, self.order, self.race_check, self.poison, self.seed = lib, order, race_check, poison, seed
-        self.launches: list[str] = []
-
-    def launch(self, kernel, *, grid, threadgroup, args):
-        self.launches.append(kernel)
-        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
-                        race_check=self.race_check, poison=self.poison, seed=self.seed)  # fmt: skip
-
-
-class NoLaunch:
-    name = "emulated"
-
-    def launch(self, kernel, **_):
-        raise AssertionError(f"launched {kernel} for an empty tensor")
 
 
 def run(name: str, executor, *args):

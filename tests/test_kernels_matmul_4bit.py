@@ -18,7 +18,7 @@ import torch
 import reference_matmul_4bit as R
 import spec_reference as ref
 from matmul_4bit_cases import DT, Case, gemm_args, gen, make_weight
-from bnb_mps.msl import source as kernel_source
+from kernel_harness import EmulatedExecutor
 from bnb_mps.ops import OPS, call, matmul_4bit
 from bnb_mps.testing import RecordingExecutor
 
@@ -26,33 +26,6 @@ emulator = pytest.importorskip("bnb_mps.emulator")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def library():
-    try:
-        return emulator.load(kernel_source.source())
-    except emulator.KernelError as e:  # the runtime extension is not built here
-        pytest.skip(str(e))
-
-
-class Emulated:
-    """Executor over the emulator. `checked=True` runs every launch under forward, reverse and random
-    lane orders with different poison bytes plus once with the race checker, and demands the same
-    bits from all (bnb_mps.emulator.run_checked)."""
-
-    name = "emulated"
-
-    def __init__(self, lib, *, checked=False, order="forward", seed=0):
-        self.lib, self.checked, self.order, self.seed = lib, checked, order, seed
-        self.launched: list[str] = []
-
-    def launch(self, kernel, *, grid, threadgroup, args):
-        self.launched.append(kernel)
-        if self.checked:
-            emulator.run_checked(self.lib, kernel, grid=grid, threadgroup=threadgroup, args=args)
-        else:
-            self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order, seed=self.seed)
 
 
 def run_gemm(executor, case: Case) -> dict:
@@ -85,7 +58,7 @@ def test_all_orders(library, path, dtype, nested):
     M, N, K = PATH_SHAPES[path]
     case = Case(M, N, K, dtype=dtype, nested=nested, bias=nested, blocksize=32 if nested else 128,
                 quant_type="fp4" if dtype == torch.bfloat16 else "nf4", seed=M + N + K)  # fmt: skip
-    ex = Emulated(library, checked=True)
+    ex = EmulatedExecutor(library, checked=True)
     run_gemm(ex, case)
     want = path.split("-")[0]
     assert ex.launched == [f"bnb_{'gemv' if want == 'gemv' else 'gemm'}_4bit_{'' if want == 'gemv' else want + '_'}"
@@ -96,7 +69,7 @@ def test_all_orders(library, path, dtype, nested):
 def test_threadgroup_table_variant_all_orders(library, dtype, monkeypatch):
     monkeypatch.setattr(matmul_4bit, "GEMV_TABLE", "threadgroup")
     for nested in (False, True):
-        ex = Emulated(library, checked=True)
+        ex = EmulatedExecutor(library, checked=True)
         run_gemm(ex, Case(1, 19, 96, dtype=dtype, nested=nested, bias=True, quant_type="fp4", seed=4))
         assert ex.launched == [f"bnb_gemv_4bit_tglut_{'nested' if nested else 'absmax'}_{DT[dtype]}"]
 
@@ -108,7 +81,7 @@ def test_threadgroup_table_variant_all_orders(library, dtype, monkeypatch):
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("blocksize", ref.BLOCKSIZES_4BIT)
 def test_every_blocksize(library, blocksize, quant_type):
-    ex = Emulated(library)
+    ex = EmulatedExecutor(library)
     N = max(8, math.ceil(3 * blocksize / 96) + 3)
     for i, M in enumerate((1, 6, 11)):
         dtype = DTYPES[(i + blocksize.bit_length()) % 3]
@@ -133,7 +106,7 @@ ODD = [
 
 @pytest.mark.parametrize("case", ODD, ids=str)
 def test_odd_shapes(library, case):
-    ex = Emulated(library, order="random", seed=case.M)
+    ex = EmulatedExecutor(library, order="random", seed=case.M)
     for dtype in DTYPES:
         run_gemm(ex, replace(case, dtype=dtype, seed=case.N))
 
@@ -144,7 +117,7 @@ def test_odd_shapes(library, case):
 @pytest.mark.parametrize("layout", ["batched", "strided", "transposed", "misaligned", "broadcast"])
 @pytest.mark.parametrize("M", [1, 6, 12])
 def test_layouts_of_A(library, layout, M):
-    ex = Emulated(library)
+    ex = EmulatedExecutor(library)
     for dtype in DTYPES:
         run_gemm(ex, Case(M, 24, 64, dtype=dtype, layout=layout, bias=M == 6, seed=M))
     assert len(ex.launched) == 3  # no extra launch for any layout
@@ -162,21 +135,21 @@ def test_strided_A_is_bound_without_a_copy():
 
 @pytest.mark.parametrize("storage", [torch.uint8, torch.float16, torch.bfloat16, torch.float32])
 def test_quant_storage_is_read_as_bytes(library, storage):
-    ex = Emulated(library)
+    ex = EmulatedExecutor(library)
     for M in (1, 4, 20):
         run_gemm(ex, Case(M, 40, 96, storage=storage, dtype=torch.float32, nested=M == 4, seed=M))
 
 
 @pytest.mark.parametrize("offset_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_nested_offset_dtypes(library, offset_dtype):
-    ex = Emulated(library, order="reverse")
+    ex = EmulatedExecutor(library, order="reverse")
     for M, dtype in ((1, torch.float16), (7, torch.bfloat16), (40, torch.float32)):
         run_gemm(ex, Case(M, 48, 256, dtype=dtype, nested=True, offset_dtype=offset_dtype, blocksize=32, seed=M))
 
 
 def test_nested_with_many_blocks(library):
     """More than 256 blocks: several nested scales (b // 256), on all three paths."""
-    ex = Emulated(library)
+    ex = EmulatedExecutor(library)
     for M in (1, 3, 17):
         run_gemm(ex, Case(M, 40, 480, dtype=torch.float32, nested=True, blocksize=32, bias=True, seed=M))
 
@@ -189,7 +162,7 @@ def test_weight_views_and_mid_storage_packed_bytes(library):
     shifted = torch.cat([torch.zeros(3, 1, dtype=torch.uint8), packed])[3:]
     for B in (packed, packed.reshape(-1), packed.view(-1, 2), shifted):
         args[1] = B
-        y = call(OPS["gemm_4bit"], tuple(args), {}, Emulated(library))
+        y = call(OPS["gemm_4bit"], tuple(args), {}, EmulatedExecutor(library))
         R.check_accuracy(y, A, W)
 
 
@@ -201,7 +174,7 @@ def test_weight_views_and_mid_storage_packed_bytes(library):
 def test_identity_weight_reproduces_A(library, M, quant_type):
     """W = I: every block without a diagonal element is all zero (absmax 0) and must dequantize to
     exactly 0, so y == A bit for bit, on every path and for K % 16 != 0."""
-    ex = Emulated(library)
+    ex = EmulatedExecutor(library)
     for K in (64, 33):
         W = torch.eye(K)
         for dtype in DTYPES:
@@ -220,7 +193,7 @@ def test_identity_weight_reproduces_A(library, M, quant_type):
 def test_gemv_reads_the_code_table(library, M):
     """gemv_4bit's code is data: bitsandbytes' NF4 / FP4 codes and an arbitrary table give the
     docs/semantics.md result with that table (no quant type is inferred from it)."""
-    ex = Emulated(library, order="random", seed=M)
+    ex = EmulatedExecutor(library, order="random", seed=M)
     N, K, bs = 24, 96, 64
     nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K, generator=gen(5)), bs, "nf4")
     packed = torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1)
@@ -238,7 +211,7 @@ def test_gemv_reads_the_code_table(library, M):
 
 
 def test_gemv_out_overload(library):
-    ex = Emulated(library)
+    ex = EmulatedExecutor(library)
     N, K, bs = 40, 64, 32
     nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K, generator=gen(8)), bs, "fp4")
     packed, absmax = torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1), torch.from_numpy(absmax)
@@ -265,7 +238,7 @@ def test_gemv_out_overload(library):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M", [1, 8, 40])
 def test_accuracy_against_float64(library, M, dtype):
-    figures = run_gemm(Emulated(library), Case(M, 64, 1024, dtype=dtype, nested=True, bias=True, seed=M))
+    figures = run_gemm(EmulatedExecutor(library), Case(M, 64, 1024, dtype=dtype, nested=True, bias=True, seed=M))
     print(f"M={M} {dtype}: {figures}")
 
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spec_reference as ref
-from bnb_mps.msl import source as kernel_source
-from bnb_mps.ops import call, op_packet
+from kernel_harness import EmulatedExecutor, NoLaunch
+from bnb_mps.ops import call
 from bnb_mps.ops import blockwise, fourbit
 from bnb_mps.ops.registry import OPS
 
@@ -32,36 +32,6 @@ except ImportError:  # pragma: no cover
 
 ORDERS = ("forward", "reverse", "random")
 POISONS = (0x00, 0xFF)
-
-
-@pytest.fixture(scope="module")
-def library():
-    try:
-        return emulator.load(kernel_source.source())
-    except emulator.KernelError as e:  # the runtime extension is not built here
-        pytest.skip(str(e))
-
-
-class EmulatedExecutor:
-    """The Executor protocol over an emulator library, with the checks a GPU cannot give."""
-
-    name = "emulated"
-
-    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0):
-        self.lib, self.order, self.race_check, self.poison, self.seed = lib, order, race_check, poison, seed
-        self.launches: list[str] = []
-
-    def launch(self, kernel, *, grid, threadgroup, args):
-        self.launches.append(kernel)
-        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
-                        race_check=self.race_check, poison=self.poison, seed=self.seed)
-
-
-class NoLaunch:
-    name = "emulated"
-
-    def launch(self, kernel, **_):
-        raise AssertionError(f"launched {kernel} for an empty tensor")
 
 
 def run(name: str, executor, *args):

@@ -5,7 +5,6 @@ table's references and calls before a Mac runs them."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import optim_inputs as oi
 import reference_optim as R
-from bnb_mps.msl import source as kernel_source
+from kernel_harness import EmulatedExecutor
 from bnb_mps.ops import OPS, call
 from bnb_mps.ops import optim as optim_ops
 from bnb_mps.testing import AllocationCounter, RecordingExecutor
@@ -41,29 +41,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def library():
-    try:
-        return emulator.load(kernel_source.source())
-    except emulator.KernelError as e:  # the runtime extension is not built here
-        pytest.skip(str(e))
-
-
-class EmulatedExecutor:
-    """The Executor protocol over an emulator library, with the checks a GPU cannot give."""
-
-    name = "emulated"
-
-    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0):
-        self.lib, self.order, self.race_check, self.poison, self.seed = lib, order, race_check, poison, seed
-        self.launches: list[str] = []
-
-    def launch(self, kernel, *, grid, threadgroup, args):
-        self.launches.append(kernel)
-        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
-                        race_check=self.race_check, poison=self.poison, seed=self.seed)  # fmt: skip
 
 
 def run(name: str, executor, args: list) -> list:

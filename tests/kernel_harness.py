@@ -1,0 +1,44 @@
+"""Executors the kernel tests run the op layer's launchers on: the emulator with the checks a GPU
+cannot give (lane orders, race checking, poisoned threadgroup memory), and one that must never be
+asked to launch. The kernel library itself is the session fixture `library` (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from bnb_mps import emulator
+
+
+class EmulatedExecutor:
+    """The Executor protocol over an emulator library.
+
+    By default every launch runs once, in the given lane order with the given race checking and
+    poison byte. With `checked=True` every launch runs under forward, reverse and random lane
+    orders with different poison bytes plus once with the race checker, and must give the same
+    bits every time (bnb_mps.emulator.run_checked). `launches` lists the kernels launched."""
+
+    name = "emulated"
+
+    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0, *, checked=False):
+        self.lib, self.order, self.race_check, self.poison, self.seed = lib, order, race_check, poison, seed
+        self.checked = checked
+        self.launches: list[str] = []
+
+    @property
+    def launched(self) -> list[str]:
+        return self.launches
+
+    def launch(self, kernel, *, grid, threadgroup, args):
+        self.launches.append(kernel)
+        if self.checked:
+            emulator.run_checked(self.lib, kernel, grid=grid, threadgroup=threadgroup, args=args)
+        else:
+            self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
+                            race_check=self.race_check, poison=self.poison, seed=self.seed)  # fmt: skip
+
+
+class NoLaunch:
+    """An executor for calls that must launch nothing (empty tensors)."""
+
+    name = "emulated"
+
+    def launch(self, kernel, **_):
+        raise AssertionError(f"launched {kernel} for an empty tensor")
