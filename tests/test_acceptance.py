@@ -3,7 +3,6 @@ synthetic inputs, and the script's dry run end to end (everything except the mps
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,16 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from script_loader import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "mac_acceptance.sh"
 
 
 def load_report_module():
-    spec = importlib.util.spec_from_file_location("acceptance_report", REPO / "scripts" / "acceptance_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["acceptance_report"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("acceptance_report.py")
 
 
 ar = load_report_module()

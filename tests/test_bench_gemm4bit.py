@@ -4,25 +4,21 @@ covers the issue's shapes, row counts, dtypes and table placements."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from script_loader import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels_gemm4bit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_kernels.py", "bench_kernels_gemm4bit")
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="measures GPU time on a Mac")

@@ -7,6 +7,8 @@ import runpy
 import sys
 
 import pytest
+
+from script_loader import load_script
 import torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "benchmark_training.py")
@@ -15,14 +17,10 @@ TINY = ["--hidden", "8", "--layers", "1", "--batch-size", "4", "--steps", "2", "
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_training", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield load_script("benchmark_training.py")
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.modules.pop("benchmark_training", None)
 
 
 def table_rows(text):
