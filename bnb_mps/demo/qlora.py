@@ -162,7 +162,7 @@ def _what_serves(device, emulated: bool) -> str:
 
 def _short_serves(device, emulated: bool) -> str:
     if emulated:
-        return "bitsandbytes' quantize/dequantize ops on bnb-mps' kernels under the emulator"
+        return "bitsandbytes' ops on bnb-mps' Metal kernels under the emulator"
     if device.type == "mps":
         from .. import executors
 

@@ -73,13 +73,13 @@ def op_report(counts: dict[str, dict[str, int]], device_type: str, emulated: boo
                          "note": "handed back before this run: its calls do not pass through bnb-mps, not counted"}
 
     notes = []
-    if emulated:
+    if emulated and kernel_less:
         bases = sorted({name.split(".")[0] for name in kernel_less if not name.startswith("int8_")})
         listed = ", ".join(bases) + (" and the int8 ops" if any(n.startswith("int8_") for n in kernel_less) else "")
         notes.append(f"bitsandbytes ops without a bnb-mps Metal kernel yet ({listed}) ran on bitsandbytes' own CPU "
                      "code: they do not pass through bnb-mps and are not counted; that code calls the quantize "
                      "and dequantize ops above, which bnb-mps served")  # fmt: skip
-    elif device_type != "mps":
+    elif not emulated and device_type != "mps":
         notes.append(f"every bitsandbytes op ran on bitsandbytes' own {device_type} code: bnb-mps serves mps "
                      f"tensors (and CPU tensors with --kernels emulated), so no call passed through it and none "
                      f"was counted")  # fmt: skip
