@@ -158,6 +158,55 @@ def _int8_cases() -> None:
 
 _int8_cases()
 
+# -- optimizers (docs/semantics.md section 5) -----------------------------------------------------------------------
+
+OPTIM_N = 256 * 256
+
+
+def _optimizer_cases() -> None:
+    from bitsandbytes.functional import create_dynamic_map
+
+    n, blocks = OPTIM_N, OPTIM_N // 256
+    hyper = dict(beta1=0.9, beta2=0.999, beta3=0.0, alpha=0.0, eps=1e-8, step=3, lr=1e-3, weight_decay=0.01,
+                 gnorm_scale=1.0, skip_zeros=False)  # fmt: skip
+
+    def tensors(dtype: torch.dtype):
+        p = _randn(n, torch.float32, seed=4).to(dtype)
+        g = (0.1 * _randn(n, torch.float32, seed=5)).to(dtype)
+        return p, g
+
+    # The in-place buffers count once (their lines are read and written): the parameter, the gradient, the
+    # states; for 8-bit also the two code tables and the per-block scales.
+    for name, states, dt in (("adam", 2, "f32"), ("adam", 2, "f16"), ("lion", 1, "f16")):
+        item = _DT[dt].itemsize
+
+        @case(f"optimizer_update_8bit_blockwise {name} {dt} n={n}", 2 * item * n + states * (n + 4 * 256 + 4 * blocks))
+        def _(name=name, states=states, dt=dt):
+            p, g = tensors(_DT[dt])
+            s1, s2 = torch.full((n,), 128, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+            a1, a2 = torch.full((blocks,), 0.05), torch.full((blocks,), 0.01)
+            q1 = create_dynamic_map(signed=True)
+            q2 = create_dynamic_map(signed=False)
+            if states == 1:
+                s2 = a2 = q2 = None
+            return lambda: torch.ops.bitsandbytes.optimizer_update_8bit_blockwise(
+                name, g, p, s1, s2, qmap1=q1, qmap2=q2, absmax1=a1, absmax2=a2, **hyper)
+
+    for name, launches in (("adam", 1), ("lamb", 2)):
+        # lamb: the update norm first (one more launch reading the gradient and the states), then the update
+
+        @case(f"optimizer_update_32bit {name} f32 n={n}", 4 * 4 * n + (4 if launches == 2 else 0))
+        def _(name=name, launches=launches):
+            p, g = tensors(torch.float32)
+            s1, s2 = torch.zeros(n), torch.full((n,), 1e-4)
+            unorm = torch.zeros(1) if launches == 2 else None
+            max_unorm = 1.0 if launches == 2 else 0.0
+            return lambda: torch.ops.bitsandbytes.optimizer_update_32bit(
+                name, g, p, s1, s2, unorm, max_unorm, float(p.norm()), **hyper)
+
+
+_optimizer_cases()
+
 # -- the measurement and the table ----------------------------------------------------------------------
 
 COLUMNS = ("case", "kernels", "required bytes", "lines", "lines summed over threadgroups", "SIMD transactions",
