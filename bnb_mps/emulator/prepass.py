@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..msl.text import split_top_level, strip_comments
+from ..msl.text import brace_depths, split_top_level, strip_comments
 
 
 class PrepassError(ValueError):
@@ -52,18 +52,6 @@ _NAME_DIMS = re.compile(r"^\s*(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\]]*\]\s*
 _THREADGROUP = re.compile(r"\bthreadgroup\b")
 
 
-def _brace_depths(text: str) -> list[int]:
-    """Brace depth at every position (comments already stripped)."""
-    depths, d = [], 0
-    for ch in text:
-        if ch == "{":
-            d += 1
-        depths.append(d)
-        if ch == "}":
-            d -= 1
-    return depths
-
-
 def _rewrite_threadgroup_decls(text: str, name: str) -> str:
     depth = None
     out: list[str] = []
@@ -85,7 +73,7 @@ def _rewrite_threadgroup_decls(text: str, name: str) -> str:
         if prev and prev[-1] not in ";{}" and not prev.endswith(":"):
             continue
         if depth is None:
-            depth = _brace_depths(text)
+            depth = brace_depths(text)
         line = _line_of(text, start)
         if depth[start] == 0:
             raise PrepassError(f"{name}:{line}: threadgroup variables must be declared inside a kernel")

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .lint import Finding
-from .text import strip_comments
+from .text import brace_depths, split_top_level, strip_comments
 
 RULE = "address-space"
 #: other errors the Metal compiler would give too (a vector of the wrong length, a const write ...)
@@ -199,17 +199,6 @@ def _strip_instance_attributes(text: str) -> str:
     return _EXPLICIT_INSTANCE.sub(lambda m: "template" + re.sub(r"[^\n]", " ", m.group(1)), text)
 
 
-def _brace_depths(text: str) -> list[int]:
-    depths, d = [], 0
-    for ch in text:
-        if ch == "{":
-            d += 1
-        depths.append(d)
-        if ch == "}":
-            d -= 1
-    return depths
-
-
 def _rewrite_threadgroup_variables(text: str) -> str:
     """`threadgroup T a[N], b;` inside a function -> references to threadgroup storage.
     Declarations at file scope stay (clang reports them: Metal wants `constant` there)."""
@@ -230,10 +219,10 @@ def _rewrite_threadgroup_variables(text: str) -> str:
         if not body.strip() or any(ch in outside for ch in "()*&={}\n#"):
             continue  # not a plain declaration (pointer, reference, initializer, ...)
         if depths is None:
-            depths = _brace_depths(text)
+            depths = brace_depths(text)
         if depths[start] == 0:
             continue
-        parts = _split_commas(body)
+        parts = split_top_level(body)
         first = _DECLARATOR.match(parts[0])
         if not first or not first.group("type"):
             continue
@@ -256,20 +245,6 @@ def _rewrite_threadgroup_variables(text: str) -> str:
     return "".join(out)
 
 
-def _split_commas(text: str) -> list[str]:
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([<":
-            depth += 1
-        elif ch in ")]>":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return parts
 
 
 def prepass(text: str) -> str:

@@ -67,3 +67,16 @@ def split_top_level(text: str, sep: str = ",") -> list[str]:
             cur.append(ch)
     parts.append("".join(cur))
     return parts
+
+
+def brace_depths(text: str) -> list[int]:
+    """Brace depth at every position (an opening brace counts at its own position, a closing one
+    after it); comments should be stripped first."""
+    depths, d = [], 0
+    for ch in text:
+        if ch == "{":
+            d += 1
+        depths.append(d)
+        if ch == "}":
+            d -= 1
+    return depths
