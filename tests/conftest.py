@@ -60,3 +60,14 @@ def fresh_tier_selection(monkeypatch):
     yield monkeypatch
     monkeypatch.undo()
     executors.reset()
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network (the transformers tests build their models from configs): huggingface_hub reads
+    the variables at import, so its constant is patched too."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

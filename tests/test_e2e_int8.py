@@ -30,16 +30,6 @@ SEQ = 12
 
 
 @pytest.fixture
-def offline(monkeypatch):
-    """No network: huggingface_hub reads the variables at import, so its constant is patched too."""
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-
-@pytest.fixture
 def saved_model(tmp_path, offline):
     """A randomly initialised fp32 Llama (hidden 64, 2 layers) with outlier feature channels."""
     config = transformers.LlamaConfig(
