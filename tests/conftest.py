@@ -71,3 +71,15 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(params=["native", "shader"])
+def executor(request):
+    """Each GPU tier in turn (for `mps` tests); skipped where the tier does not load."""
+    from bnb_mps import executors
+    from bnb_mps.executors.base import ExecutorUnavailable
+
+    try:
+        return executors.load_tier(request.param)
+    except ExecutorUnavailable as e:
+        pytest.skip(f"{request.param} tier unavailable: {e}")

@@ -16,19 +16,10 @@ import torch
 
 import reference_int8 as ref
 from bnb_mps import backend_info, executors, ops
-from bnb_mps.executors.base import ExecutorUnavailable
 
 pytestmark = pytest.mark.mps
 
 TIERS = ["native", "shader"]
-
-
-@pytest.fixture(params=TIERS)
-def executor(request):
-    try:
-        return executors.load_tier(request.param)
-    except ExecutorUnavailable as e:
-        pytest.skip(f"{request.param} tier unavailable: {e}")
 
 
 def run(executor, name, *args):

@@ -16,20 +16,11 @@ import reference_matmul_4bit as R
 import spec_reference as ref
 from matmul_4bit_cases import DT, Case, gemm_args
 from bnb_mps import executors, ops
-from bnb_mps.executors.base import ExecutorUnavailable
 from bnb_mps.ops import matmul_4bit
 
 pytestmark = pytest.mark.mps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@pytest.fixture(params=["native", "shader"])
-def executor(request):
-    try:
-        return executors.load_tier(request.param)
-    except ExecutorUnavailable as e:
-        pytest.skip(f"{request.param} tier unavailable: {e}")
 
 
 class Recording:

@@ -19,19 +19,10 @@ import torch
 import optim_inputs as oi
 import reference_optim as R
 from bnb_mps import backend_info, executors, ops
-from bnb_mps.executors.base import ExecutorUnavailable
 
 pytestmark = pytest.mark.mps
 
 OP8, OP32 = "optimizer_update_8bit_blockwise", "optimizer_update_32bit"
-
-
-@pytest.fixture(params=["native", "shader"])
-def executor(request):
-    try:
-        return executors.load_tier(request.param)
-    except ExecutorUnavailable as e:
-        pytest.skip(f"{request.param} tier unavailable: {e}")
 
 
 def run(executor, name, args):
