@@ -8,6 +8,7 @@ import importlib
 import platform
 import sys
 import textwrap
+from pathlib import Path
 
 
 def _version(module: str) -> str:
@@ -80,7 +81,9 @@ def diagnostics() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bnb_mps", description=__doc__)
+    # the console script `bnb-mps` and `python -m bnb_mps` share this entry: name the one the user ran
+    prog = "bnb-mps" if Path(sys.argv[0]).stem == "bnb-mps" else "python -m bnb_mps"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     commands = parser.add_subparsers(dest="command", metavar="{info,demo}")
     commands.add_parser("info", help="which tier serves each bitsandbytes op here (the default)")
     demo_parser = commands.add_parser(

@@ -12,9 +12,11 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,6 +324,16 @@ def test_shell_entry_point_runs_the_demo_module():
     assert proc.returncode == 0, proc.stderr
     for option in ("--size", "--steps", "--device", "--kernels", "--optim", "--out", "--quiet"):
         assert option in proc.stdout
+
+
+def test_console_script_names_itself_in_its_usage():
+    """`bnb-mps demo --help` (the console script pip installs) shows `bnb-mps`, not `python -m`."""
+    script = shutil.which("bnb-mps", path=str(Path(sys.executable).parent)) or shutil.which("bnb-mps")
+    if script is None:
+        pytest.skip("the bnb-mps console script is not installed in this environment")
+    proc = subprocess.run([script, "demo", "--help"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: bnb-mps demo "), proc.stdout[:200]
 
 
 def test_op_report_on_mps_says_which_calls_went_uncounted():
