@@ -268,6 +268,25 @@ def test_bias_dtypes(library, out_dtype, bias_dtype):
     check_products(ex, A, B, stats(6, 4), stats(10, 5), bias, out_dtype)
 
 
+PATH_SHAPES = [(1, 31), (1, 32), (3, 33), (3, 48), (20, 33), (20, 32), (40, 33), (40, 64)]  # (M, K), every path
+
+
+@pytest.mark.parametrize("out_dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_float32_bias_on_every_path(library, out_dtype):
+    """A float32 bias with a 16-bit output (the `_f32bias` kernels: bias added in float32, one
+    rounding) on every product path, with and without the K % 16 fast loads."""
+    ex = EmulatedExecutor(library, order="random", seed=7)
+    N = 12
+    bias = torch.randn(N, generator=gen(9)) * 10
+    paths = set()
+    for M, K in PATH_SHAPES:
+        paths.add(int8_ops.matmul_path(M, K)[0])
+        A, B = int8s((M, K), seed=M + K), int8s((N, K), seed=N + K)
+        scaled = run("int8_scaled_mm", ex, A, B, stats(M, 4), stats(N, 5), bias, out_dtype)
+        assert same_bits(scaled, ref.int8_scaled_mm(A, B, stats(M, 4), stats(N, 5), bias, out_dtype)), (M, K)
+    assert len(paths) == len(PATH_SHAPES)  # the shapes do reach every path
+
+
 def test_scaled_dequant_rounds_once(library):
     """bf16 / fp32 outputs are not routed through fp16 (CUDA's int8_mm_dequant does that)."""
     ex = EmulatedExecutor(library)
