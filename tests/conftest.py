@@ -11,6 +11,60 @@ def _mps_available() -> bool:
     return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--kernel-coverage", action="store_true",
+        help="fail the run unless every kernel of the library was launched under the emulator (the rule for "
+        "`slow` markers: the default run covers every kernel variant; scripts/test.sh sets it for a full run)",
+    )  # fmt: skip
+
+
+_launched_kernels: set = set()
+
+
+def pytest_configure(config):
+    if not config.getoption("--kernel-coverage"):
+        return
+    from bnb_mps.emulator.library import Library
+
+    for name in ("launch", "profile"):
+        original = getattr(Library, name)
+
+        def recording(self, kernel, *args, _original=original, **kwargs):
+            _launched_kernels.add(kernel)
+            return _original(self, kernel, *args, **kwargs)
+
+        setattr(Library, name, recording)
+
+
+_coverage_report: list = []  # (line, failed) for the terminal summary
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not session.config.getoption("--kernel-coverage") or exitstatus != 0:
+        return
+    from bnb_mps import emulator
+    from bnb_mps.msl import source
+
+    try:
+        kernels = set(emulator.load(source.source()).kernels)
+    except emulator.EmulatorError as e:
+        _coverage_report.append((f"kernel coverage: not checked, no emulator here ({e})", False))
+        return
+    missing = sorted(kernels - _launched_kernels)
+    if missing:
+        _coverage_report.append((f"kernel coverage: {len(missing)} of {len(kernels)} kernels never launched under "
+                                 f"the emulator in this run: {', '.join(missing)}", True))  # fmt: skip
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    else:
+        _coverage_report.append((f"kernel coverage: all {len(kernels)} kernels launched under the emulator", False))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line, failed in _coverage_report:
+        terminalreporter.write_line(line, red=failed, bold=failed)
+
+
 def pytest_collection_modifyitems(config, items):
     # `slow` cases (the long tails of matrices whose every kernel variant the default run already
     # covers) run only when selected: `pytest -m slow`, or any -m expression naming slow.
