@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .errors import CompileError
 
-ABI_VERSION = 4  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
+ABI_VERSION = 5  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
 
 
 def include_dir() -> Path:

@@ -28,6 +28,28 @@ from . import build, errors, prepass
 from .profile import LINE_BYTES, KernelProfile
 
 _ORDERS = {"forward": 0, "reverse": 1, "random": 2}
+
+#: The emulated GPU's float arithmetic: "apple" (the default) computes like an Apple GPU, whose
+#: float32 units flush subnormal inputs and results to zero (fp16 keeps its subnormals, bfloat's are
+#: float32's and flush); "ieee" keeps float32 subnormals, as the host CPU does, for comparison.
+FLOAT_MODES = ("apple", "ieee")
+#: Environment variable that sets the default float mode of every launch (e.g. BNB_MPS_EMU_FLOAT=ieee).
+FLOAT_MODE_ENV = "BNB_MPS_EMU_FLOAT"
+
+
+def default_float_mode() -> str:
+    """The float mode of launches that do not name one: $BNB_MPS_EMU_FLOAT, else "apple"."""
+    mode = os.environ.get(FLOAT_MODE_ENV, "").strip().lower() or "apple"
+    if mode not in FLOAT_MODES:
+        raise ValueError(f"{FLOAT_MODE_ENV}={mode!r} is not a float mode; expected 'apple' or 'ieee'")
+    return mode
+
+
+def _flush_subnormals(float_mode: str | None) -> bool:
+    mode = default_float_mode() if float_mode is None else float_mode
+    if mode not in FLOAT_MODES:
+        raise ValueError(f"float_mode must be 'apple' or 'ieee', got {mode!r}")
+    return mode == "apple"
 Dims = Union[int, Sequence[int]]
 
 
@@ -163,17 +185,22 @@ class Library:
         race_check: bool = False,
         poison: int = 0xFF,
         seed: int = 0,
+        float_mode: str | None = None,
     ) -> None:
         """Runs `kernel` over `grid` threadgroups of `threadgroup` threads (or over `threads`
         threads in total, Metal's dispatchThreads, with smaller edge threadgroups), binding
         `args` to [[buffer(0)]], [[buffer(1)]], ... Returns when the dispatch is done; outputs are
-        written back into the tensors. Faults raise an EmulatorError subclass."""
+        written back into the tensors. Faults raise an EmulatorError subclass.
+
+        `float_mode`: "apple" (float32 subnormal inputs and results flush to zero, as on Apple GPUs)
+        or "ieee" (they are kept, as on the host CPU); None takes `default_float_mode()`."""
+        flush = _flush_subnormals(float_mode)
         mod, groups, tg, total, buffers = self._dispatch(kernel, grid, threadgroup, args, threads, order, race_check,
                                                          poison, seed, profile=False)
         if 0 in groups:
             return
         res = _runtime().launch(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order], seed,
-                                poison, bool(race_check))
+                                poison, bool(race_check), flush)
         self._raise_fault(kernel, mod, res)
 
     def profile(
@@ -188,6 +215,7 @@ class Library:
         race_check: bool = False,
         poison: int = 0xFF,
         seed: int = 0,
+        float_mode: str | None = None,
         required_bytes: int | None = None,
         line_bytes: int = LINE_BYTES,
     ) -> KernelProfile:
@@ -227,6 +255,7 @@ class Library:
             raise ValueError(f"line_bytes must be a power of two >= 16, got {line_bytes!r}")
         if required_bytes is not None and (not isinstance(required_bytes, int) or required_bytes < 0):
             raise ValueError(f"required_bytes must be a non-negative int, got {required_bytes!r}")
+        flush = _flush_subnormals(float_mode)
         counted = [_is_buffer(a) for a in args]
         offsets = [_line_offset(a, line_bytes) for a in args]
         mod, groups, tg, total, buffers = self._dispatch(kernel, grid, threadgroup, args, threads, order, race_check,
@@ -235,7 +264,7 @@ class Library:
         if 0 in groups:
             return KernelProfile.from_counts(kernel, groups, tg, counted, sizes, line_bytes, None, required_bytes)
         fault, counts = _runtime().profile(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order],
-                                           seed, poison, bool(race_check), counted, offsets, line_bytes)
+                                           seed, poison, bool(race_check), flush, counted, offsets, line_bytes)
         self._raise_fault(kernel, mod, fault)
         return KernelProfile.from_counts(kernel, groups, tg, counted, sizes, line_bytes, counts, required_bytes)
 

@@ -6,6 +6,9 @@ Detection settings apply to every launch of the process-wide executor; tests cha
 
     with bnb_mps.executors.emulated.settings(order="reverse", race_check=True, poison=0x00):
         ...
+
+`float_mode` is the emulated GPU's float arithmetic: None (the default: $BNB_MPS_EMU_FLOAT, else
+"apple", float32 subnormals flushed to zero as on Apple GPUs) or "ieee" (bnb_mps.emulator.Library.launch).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class EmulatedExecutor:
         self.race_check = False
         self.poison = 0xFF
         self.seed = 0
+        self.float_mode: str | None = None
         self._library = None
         self._error: Exception | None = None
         self._lock = threading.Lock()
@@ -46,7 +50,8 @@ class EmulatedExecutor:
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
         self._load().launch(kernel, grid=tuple(grid), threadgroup=tuple(threadgroup), args=args, order=self.order,
-                            race_check=self.race_check, poison=self.poison, seed=self.seed)
+                            race_check=self.race_check, poison=self.poison, seed=self.seed,
+                                float_mode=self.float_mode)
 
     def profile(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg],
                 required_bytes: int | None = None):
@@ -54,7 +59,7 @@ class EmulatedExecutor:
         profiler and returns its memory traffic (a bnb_mps.emulator.KernelProfile)."""
         return self._load().profile(kernel, grid=tuple(grid), threadgroup=tuple(threadgroup), args=args,
                                     order=self.order, race_check=self.race_check, poison=self.poison, seed=self.seed,
-                                    required_bytes=required_bytes)
+                                    float_mode=self.float_mode, required_bytes=required_bytes)
 
 
 _executor: EmulatedExecutor | None = None
@@ -79,14 +84,18 @@ def load() -> EmulatedExecutor:
 
 @contextlib.contextmanager
 def settings(*, order: str | None = None, race_check: bool | None = None, poison: int | None = None,
-             seed: int | None = None) -> Iterator[EmulatedExecutor]:
-    """Temporarily changes the detection settings of the process-wide executor."""
+             seed: int | None = None, float_mode: str | None = None) -> Iterator[EmulatedExecutor]:
+    """Temporarily changes the detection settings (and the float mode) of the process-wide executor."""
+    from ..emulator.library import FLOAT_MODES
+
     if order is not None and order not in ("forward", "reverse", "random"):
         raise ValueError(f"order must be 'forward', 'reverse' or 'random', got {order!r}")
     if poison is not None and not (isinstance(poison, int) and 0 <= poison <= 255):
         raise ValueError(f"poison must be a byte value 0..255, got {poison!r}")
+    if float_mode is not None and float_mode not in FLOAT_MODES:
+        raise ValueError(f"float_mode must be 'apple' or 'ieee', got {float_mode!r}")
     ex = load()
-    saved = (ex.order, ex.race_check, ex.poison, ex.seed)
+    saved = (ex.order, ex.race_check, ex.poison, ex.seed, ex.float_mode)
     if order is not None:
         ex.order = order
     if race_check is not None:
@@ -95,7 +104,9 @@ def settings(*, order: str | None = None, race_check: bool | None = None, poison
         ex.poison = poison
     if seed is not None:
         ex.seed = int(seed)
+    if float_mode is not None:
+        ex.float_mode = float_mode
     try:
         yield ex
     finally:
-        ex.order, ex.race_check, ex.poison, ex.seed = saved
+        ex.order, ex.race_check, ex.poison, ex.seed, ex.float_mode = saved

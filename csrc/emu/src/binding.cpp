@@ -63,7 +63,7 @@ std::array<uint32_t, 3> dim3(const std::vector<uint64_t>& v, const char* what) {
 void make_request(bnb_emu::LaunchRequest& q, std::vector<std::string>& scalars, const Module& m,
                   const std::string& kernel, const std::vector<uint64_t>& groups,
                   const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
-                  int order, uint64_t seed, int poison, bool race_check) {
+                  int order, uint64_t seed, int poison, bool race_check, bool flush_subnormals) {
   q.fn = m.find(kernel);
   if (!q.fn) throw py::key_error(kernel);
   q.kernel = kernel;
@@ -98,6 +98,7 @@ void make_request(bnb_emu::LaunchRequest& q, std::vector<std::string>& scalars, 
   q.seed = seed;
   q.poison = uint8_t(poison);
   q.race_check = race_check;
+  q.flush_subnormals = flush_subnormals;
 }
 
 py::object fault_tuple(const bnb_emu::LaunchResult& r) {
@@ -107,10 +108,11 @@ py::object fault_tuple(const bnb_emu::LaunchResult& r) {
 
 py::object run(const Module& m, const std::string& kernel, const std::vector<uint64_t>& groups,
                const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
-               int order, uint64_t seed, int poison, bool race_check) {
+               int order, uint64_t seed, int poison, bool race_check, bool flush_subnormals) {
   bnb_emu::LaunchRequest q;
   std::vector<std::string> scalars;
-  make_request(q, scalars, m, kernel, groups, group_size, threads, buffers, order, seed, poison, race_check);
+  make_request(q, scalars, m, kernel, groups, group_size, threads, buffers, order, seed, poison, race_check,
+               flush_subnormals);
   bnb_emu::LaunchResult r;
   {
     py::gil_scoped_release nogil;
@@ -124,11 +126,13 @@ py::object run(const Module& m, const std::string& kernel, const std::vector<uin
 // counts as a dict).
 py::tuple profile(const Module& m, const std::string& kernel, const std::vector<uint64_t>& groups,
                   const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
-                  int order, uint64_t seed, int poison, bool race_check, const std::vector<bool>& counted,
+                  int order, uint64_t seed, int poison, bool race_check, bool flush_subnormals,
+                  const std::vector<bool>& counted,
                   const std::vector<uint32_t>& line_offsets, uint32_t line_bytes) {
   bnb_emu::LaunchRequest q;
   std::vector<std::string> scalars;
-  make_request(q, scalars, m, kernel, groups, group_size, threads, buffers, order, seed, poison, race_check);
+  make_request(q, scalars, m, kernel, groups, group_size, threads, buffers, order, seed, poison, race_check,
+               flush_subnormals);
   if (counted.size() != q.buffers.size() || line_offsets.size() != q.buffers.size())
     throw py::value_error("profile: one counted flag and one line offset per buffer expected");
   q.profiling = true;
@@ -180,9 +184,9 @@ PYBIND11_MODULE(_emu, mod) {
       .def_property_readonly("path", &Module::path);
   mod.def("launch", &run, py::arg("module"), py::arg("kernel"), py::arg("groups"), py::arg("group_size"),
           py::arg("threads"), py::arg("buffers"), py::arg("order"), py::arg("seed"), py::arg("poison"),
-          py::arg("race_check"));
+          py::arg("race_check"), py::arg("flush_subnormals"));
   mod.def("profile", &profile, py::arg("module"), py::arg("kernel"), py::arg("groups"), py::arg("group_size"),
           py::arg("threads"), py::arg("buffers"), py::arg("order"), py::arg("seed"), py::arg("poison"),
-          py::arg("race_check"), py::arg("counted"), py::arg("line_offsets"), py::arg("line_bytes"));
+          py::arg("race_check"), py::arg("flush_subnormals"), py::arg("counted"), py::arg("line_offsets"), py::arg("line_bytes"));
   mod.def("worker_count", &bnb_emu::worker_count);
 }

@@ -22,7 +22,7 @@ extern "C" void bnb_emu_ctx_start();
 // Frame on a suspended stack, from the saved sp upwards: r15, r14, r13, r12, rbx, rbp, return
 // address. The floating-point control registers (mxcsr, x87 control word) are shared by all
 // fibers of a worker and never changed by kernel code, so they are not switched (ldmxcsr/fldcw
-// would cost more than the rest of the switch).
+// would cost more than the rest of the switch): fibers run with the worker's float mode.
 __asm__(
     ".text\n" BNB_EMU_FUNC_BEGIN(bnb_emu_ctx_switch)
     "  pushq %rbp\n"
@@ -113,6 +113,11 @@ void context_init(Context* ctx, char* stack_lo, size_t size, FiberEntry entry, v
   sp[0] = reinterpret_cast<uint64_t>(arg);    // x19
   sp[1] = reinterpret_cast<uint64_t>(entry);  // x20
   sp[11] = reinterpret_cast<uint64_t>(&bnb_emu_ctx_start);  // x30
+  // The switch loads FPCR from the frame: a new fiber starts with the FP mode of the thread that
+  // prepares it (the worker, which has set the dispatch's float mode), not with FPCR = 0.
+  uint64_t fpcr;
+  __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+  sp[20] = fpcr;
   ctx->sp = sp;
 }
 }  // namespace bnb_emu

@@ -22,6 +22,10 @@
 
 #include "context.h"
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define BNB_EMU_ASAN 1
@@ -935,6 +939,51 @@ bool Worker::run_group(uint64_t linear) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Float arithmetic as on Apple GPUs. Their float32 units flush subnormal inputs and results to
+// zero (sign kept) and keep fp16 subnormals (what Asahi Mesa's Apple-GPU driver reports:
+// shaderDenormFlushToZeroFloat32, shaderDenormPreserveFloat16). The kernels' float32 arithmetic
+// runs in SSE (x86-64) or the FP unit (aarch64) of the worker thread, so the worker sets the same
+// mode for the dispatch: MXCSR's FTZ (flush results) and DAZ (inputs as zero), or FPCR.FZ, which
+// does both for single and double precision while FPCR.FZ16 stays clear. `half` arithmetic is done
+// in float after an exact widening (fp16 subnormals are normal floats), so fp16 subnormals
+// survive; bfloat subnormals are float subnormals and flush, as on the GPU. The fibers of a worker
+// run with its mode: on x86-64 the switch leaves MXCSR alone; on aarch64 the switch carries FPCR
+// and a new fiber starts from the worker's (context_init).
+class FloatModeScope {
+ public:
+  explicit FloatModeScope(bool flush) {
+#if defined(__x86_64__)
+    constexpr unsigned kFtzDaz = 0x8040u;  // FTZ (bit 15) | DAZ (bit 6)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(flush ? (saved_ | kFtzDaz) : (saved_ & ~kFtzDaz));
+#elif defined(__aarch64__)
+    constexpr uint64_t kFz = uint64_t(1) << 24;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
+    uint64_t v = flush ? (saved_ | kFz) : (saved_ & ~kFz);
+    __asm__ volatile("msr fpcr, %0" : : "r"(v));
+#else
+    (void)flush;  // other hosts run IEEE arithmetic only (bnb_mps.emulator says so)
+#endif
+  }
+  ~FloatModeScope() {
+#if defined(__x86_64__)
+    _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+    __asm__ volatile("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+  FloatModeScope(const FloatModeScope&) = delete;
+  FloatModeScope& operator=(const FloatModeScope&) = delete;
+
+ private:
+#if defined(__aarch64__)
+  uint64_t saved_ = 0;
+#else
+  unsigned saved_ = 0;
+#endif
+};
+
+// ---------------------------------------------------------------------------------------------
 // The worker pool.
 
 class Pool {
@@ -992,6 +1041,7 @@ class Pool {
         size_t slot = d->next_profile.fetch_add(1);
         if (slot < d->profiles.size()) w.prof = d->profiles[slot].get();
       }
+      FloatModeScope float_mode(d->req->flush_subnormals);
       for (;;) {
         if (d->failed.load(std::memory_order_relaxed)) break;
         uint64_t i = d->next.fetch_add(1, std::memory_order_relaxed);

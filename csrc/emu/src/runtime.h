@@ -59,6 +59,9 @@ struct LaunchRequest {
   uint64_t seed = 0;
   uint8_t poison = 0xFF;
   bool race_check = false;
+  // Float arithmetic as on Apple GPUs: float32 subnormal inputs and results flush to zero (fp16
+  // keeps its subnormals). False runs IEEE arithmetic, for comparison.
+  bool flush_subnormals = true;
   // Profiling: needs a module built with BNB_EMU_PROFILE; one entry per buffer.
   bool profiling = false;
   uint32_t line_bytes = 128;

@@ -1,8 +1,15 @@
 // Self-test of the emulator's fiber context switch (csrc/emu/src/context.cpp), built per target
 // by tests/emulator/test_context_switch.py: two fibers ping-pong 1000 times doing floating-point
 // and integer work that lives in callee-saved registers, and the results must equal the same work
-// done without fibers. Exit status 0 and "ok" on success.
+// done without fibers. A third fiber, prepared while the thread flushes float32 subnormals (as the
+// emulator's workers do for the Apple float mode), must compute with that mode. Exit status 0 and
+// "ok" on success.
+#include <cstdint>
 #include <cstdio>
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "context.h"
 
@@ -10,7 +17,7 @@ using bnb_emu::Context;
 
 namespace {
 
-Context main_ctx, ctx_a, ctx_b;
+Context main_ctx, ctx_a, ctx_b, ctx_fp;
 constexpr int kRounds = 1000;
 double acc_a = 0, acc_b = 0;
 long steps = 0;
@@ -39,6 +46,30 @@ void fiber_b(void* arg) {
   }
 }
 
+// Flush float32 subnormal inputs and results to zero on this thread (MXCSR FTZ|DAZ, FPCR.FZ).
+void set_flush(bool on) {
+#if defined(__x86_64__)
+  const unsigned c = _mm_getcsr();
+  _mm_setcsr(on ? (c | 0x8040u) : (c & ~0x8040u));
+#elif defined(__aarch64__)
+  uint64_t v;
+  __asm__ volatile("mrs %0, fpcr" : "=r"(v));
+  v = on ? (v | (uint64_t(1) << 24)) : (v & ~(uint64_t(1) << 24));
+  __asm__ volatile("msr fpcr, %0" : : "r"(v));
+#else
+  (void)on;
+#endif
+}
+
+volatile float subnormal = 1e-40f, one = 1.0f, small = 1e-20f;
+float fp_results[2] = {-1.0f, -1.0f};
+
+void fiber_fp(void*) {
+  fp_results[0] = subnormal * one;  // a subnormal input
+  fp_results[1] = small * small;    // a subnormal result
+  bnb_emu::context_switch(&ctx_fp, &main_ctx);
+}
+
 }  // namespace
 
 int main() {
@@ -60,9 +91,17 @@ int main() {
     vb = step_b(vb);
     want_b += vb;
   }
-  const bool ok = acc_a == want_a && acc_b == want_b && steps == 2 * kRounds && kept == seed * 7.0 &&
+  alignas(16) static char stack_fp[1 << 16];
+  set_flush(true);
+  bnb_emu::context_init(&ctx_fp, stack_fp, sizeof stack_fp, fiber_fp, nullptr);
+  bnb_emu::context_switch(&main_ctx, &ctx_fp);
+  set_flush(false);
+  const float ieee = subnormal * one;  // back to IEEE on this thread
+  const bool flushed = fp_results[0] == 0.0f && fp_results[1] == 0.0f && ieee == 1e-40f;
+
+  const bool ok = flushed && acc_a == want_a && acc_b == want_b && steps == 2 * kRounds && kept == seed * 7.0 &&
                   kept_int == static_cast<long>(seed) * 12345;
-  std::printf("%s a=%.17g/%.17g b=%.17g/%.17g steps=%ld\n", ok ? "ok" : "MISMATCH", acc_a, want_a, acc_b, want_b,
-              steps);
+  std::printf("%s a=%.17g/%.17g b=%.17g/%.17g steps=%ld flushed=%g,%g ieee=%g\n", ok ? "ok" : "MISMATCH", acc_a,
+              want_a, acc_b, want_b, steps, fp_results[0], fp_results[1], ieee);
   return ok ? 0 : 1;
 }

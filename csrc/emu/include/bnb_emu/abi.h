@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BNB_EMU_ABI_VERSION 4
+#define BNB_EMU_ABI_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {

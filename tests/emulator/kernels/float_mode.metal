@@ -1,0 +1,51 @@
+// Planted kernels for the emulator's float modes (tests/emulator/test_float_mode.py): float32
+// subnormal inputs and results, fp16 and bfloat subnormals, a SIMD-group reduction and a
+// comparison, each computed by the kernel at run time from buffer data (nothing the compiler can
+// fold).
+#include <metal_stdlib>
+using namespace metal;
+
+// out[i] = a[i] * b[i] and out[n + i] = a[i] + b[i] in float32.
+kernel void f32_mul_add(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                        device float* out [[buffer(2)]], constant uint& n [[buffer(3)]],
+                        uint i [[thread_position_in_grid]]) {
+    if (i < n) {
+        out[i] = a[i] * b[i];
+        out[n + i] = a[i] + b[i];
+    }
+}
+
+// flags[i] = (a[i] > 0) | (a[i] == 0) << 1: how the comparison unit sees a value.
+kernel void f32_compare(device const float* a [[buffer(0)]], device uint* flags [[buffer(1)]],
+                        constant uint& n [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+    if (i < n) {
+        flags[i] = (a[i] > 0.0f ? 1u : 0u) | (a[i] == 0.0f ? 2u : 0u);
+    }
+}
+
+// out[i] = a[i] * b[i] in half (fp16 subnormals are kept on Apple GPUs).
+kernel void f16_mul(device const half* a [[buffer(0)]], device const half* b [[buffer(1)]],
+                    device half* out [[buffer(2)]], constant uint& n [[buffer(3)]],
+                    uint i [[thread_position_in_grid]]) {
+    if (i < n) {
+        out[i] = a[i] * b[i];
+    }
+}
+
+// out[i] = bfloat(float(a[i]) * scale): a bfloat subnormal is a float32 subnormal.
+kernel void bf16_scale(device const bfloat* a [[buffer(0)]], device bfloat* out [[buffer(1)]],
+                       constant float& scale [[buffer(2)]], constant uint& n [[buffer(3)]],
+                       uint i [[thread_position_in_grid]]) {
+    if (i < n) {
+        out[i] = bfloat(float(a[i]) * scale);
+    }
+}
+
+// sums[simdgroup] = simd_sum(a[i]) over each simdgroup of 32 lanes.
+kernel void f32_simd_sum(device const float* a [[buffer(0)]], device float* sums [[buffer(1)]],
+                         uint i [[thread_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+    const float s = simd_sum(a[i]);
+    if (lane == 0u) {
+        sums[i / 32u] = s;
+    }
+}
