@@ -7,6 +7,14 @@ rounding to float32 after every operation exactly where that page does (`fl32(1 
 
 A block whose elements are all NaN has absmax 0: the page's maximum ignores NaN and the maximum of
 no elements is 0 (as bitsandbytes' CPU quantizer does).
+
+Apple GPUs flush float32 subnormals (docs/semantics.md, "Apple GPUs"). With `flush=True` (the
+default, `FLUSH`: what the kernels compute on a Mac and under the emulator's default "apple" float
+mode) the reference follows that contract: float32/bfloat16 inputs below 2^-126 count as zero (so
+a block of zeros and subnormals is an all-zero block), and float32 results below 2^-126 of the
+dequantizers' products and sums are zero (with their sign). The quantizers' own arithmetic (the
+reciprocal, the scaled values and their codes) stays IEEE: the kernels give that answer on the
+hardware too. `flush=False` is plain IEEE float32 (the emulator's "ieee" mode, and CUDA).
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ import numpy as np
 import torch
 
 F32 = np.float32
+
+#: Apple-GPU float semantics by default (see the module docstring); False for plain IEEE.
+FLUSH = True
+_TINY = F32(2.0**-126)  # the smallest normal float32
 
 BLOCKSIZES_8BIT = (64, 128, 256, 512, 1024, 2048, 4096)
 BLOCKSIZES_4BIT = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -46,11 +58,26 @@ def table_4bit(quant_type: str) -> np.ndarray:
     raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
 
 
-def _flat_f32(A: torch.Tensor) -> np.ndarray:
-    """Elements in flat row-major order as float32 (exact for fp16/bf16/fp32)."""
+def flush_subnormals(x: np.ndarray) -> np.ndarray:
+    """float32 values below 2^-126 in magnitude -> zero of the same sign (NaN, inf unchanged)."""
+    x = np.asarray(x, dtype=F32)
+    return np.where(np.abs(x) < _TINY, np.copysign(F32(0), x), x).astype(F32)
+
+
+def _flush(flush: bool | None) -> bool:
+    return FLUSH if flush is None else bool(flush)
+
+
+def _maybe_flush(x: np.ndarray, flush: bool | None) -> np.ndarray:
+    return flush_subnormals(x) if _flush(flush) else np.asarray(x, dtype=F32)
+
+
+def _flat_f32(A: torch.Tensor, flush: bool | None = None) -> np.ndarray:
+    """Elements in flat row-major order as float32 (exact for fp16/bf16/fp32); with `flush`, the
+    float32 subnormals (only bfloat16/float32 inputs have them) as zeros."""
     if A.dtype not in DTYPES:
         raise TypeError(f"A must be float16, bfloat16 or float32, got {A.dtype}")
-    return A.detach().contiguous().reshape(-1).to(torch.float32).numpy()
+    return _maybe_flush(A.detach().contiguous().reshape(-1).to(torch.float32).numpy(), flush)
 
 
 def _to_dtype(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -126,35 +153,37 @@ def _check_code(code: torch.Tensor) -> np.ndarray:
 # -- section 2: 8-bit blockwise ------------------------------------------------------------------
 
 
-def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int,
+                       flush: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 codes shaped like A, float32 absmax [ceil(n / blocksize)])."""
     _check_blocksize(blocksize, BLOCKSIZES_8BIT)
     c = _check_code(code)
-    x = _flat_f32(A)
+    x = _flat_f32(A, flush)
     absmax = blockwise_absmax(x, blocksize)
     q = index_8bit(scaled_values(x, absmax, blocksize), c)
     return torch.from_numpy(q).reshape(A.shape), torch.from_numpy(absmax)
 
 
 def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
-                         dtype: torch.dtype) -> torch.Tensor:
+                         dtype: torch.dtype, flush: bool | None = None) -> torch.Tensor:
     """out_i = T(fl32(code[q_i] * absmax[i // blocksize]))."""
     _check_blocksize(blocksize, BLOCKSIZES_8BIT)
     q = A.detach().contiguous().reshape(-1).numpy().astype(np.int64)
-    c = code.detach().reshape(-1).to(torch.float32).numpy()
-    am = absmax.detach().reshape(-1).to(torch.float32).numpy()
+    c = _maybe_flush(code.detach().reshape(-1).to(torch.float32).numpy(), flush)
+    am = _maybe_flush(absmax.detach().reshape(-1).to(torch.float32).numpy(), flush)
     scale = np.repeat(am, blocksize)[: q.size]
-    return _to_dtype(c[q] * scale, dtype).reshape(A.shape)
+    return _to_dtype(_maybe_flush(c[q] * scale, flush), dtype).reshape(A.shape)
 
 
 # -- section 3: 4-bit NF4 / FP4 ------------------------------------------------------------------
 
 
-def quantize_4bit_nibbles(A: torch.Tensor, blocksize: int, quant_type: str) -> tuple[np.ndarray, np.ndarray]:
+def quantize_4bit_nibbles(A: torch.Tensor, blocksize: int, quant_type: str,
+                          flush: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-element nibbles (with the odd-n padding nibble appended) and absmax."""
     _check_blocksize(blocksize, BLOCKSIZES_4BIT)
     table_4bit(quant_type)
-    x = _flat_f32(A)
+    x = _flat_f32(A, flush)
     absmax = blockwise_absmax(x, blocksize)
     if x.size % 2:
         # The padding element is a 0 of the last block: the code of s = 0 (NaN, hence 0, if absmax is 0).
@@ -169,10 +198,10 @@ def pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
     return ((nibbles[0::2] << 4) | nibbles[1::2]).astype(np.uint8)
 
 
-def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str,
-                  quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype = torch.uint8,
+                  flush: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed bytes viewed as `quant_storage`, shape (nbytes // itemsize, 1); float32 absmax)."""
-    nibbles, absmax = quantize_4bit_nibbles(A, blocksize, quant_type)
+    nibbles, absmax = quantize_4bit_nibbles(A, blocksize, quant_type, flush)
     packed = torch.from_numpy(pack_nibbles(nibbles))
     itemsize = torch.empty((), dtype=quant_storage).element_size()
     if packed.numel() % itemsize:
@@ -192,32 +221,34 @@ def unpack_nibbles(A: torch.Tensor, n: int) -> np.ndarray:
 
 
 def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
-                    shape, dtype: torch.dtype) -> torch.Tensor:
+                    shape, dtype: torch.dtype, flush: bool | None = None) -> torch.Tensor:
     """out_i = T(fl32(table[nibble_i] * absmax[i // blocksize])), shaped `shape`."""
     _check_blocksize(blocksize, BLOCKSIZES_4BIT)
     table = table_4bit(quant_type)
     n = math.prod(shape)
     nib = unpack_nibbles(A, n)
-    am = absmax.detach().reshape(-1).to(torch.float32).numpy()
+    am = _maybe_flush(absmax.detach().reshape(-1).to(torch.float32).numpy(), flush)
     scale = np.repeat(am, blocksize)[:n]
-    return _to_dtype(table[nib] * scale, dtype).reshape(tuple(shape))
+    return _to_dtype(_maybe_flush(table[nib] * scale, flush), dtype).reshape(tuple(shape))
 
 
 # -- double quantization of the absmax vector ----------------------------------------------------
 
 
-def double_quantize(absmax: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def double_quantize(absmax: torch.Tensor, code: torch.Tensor,
+                    flush: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(absmax_8bit uint8, nested_absmax float32, offset float32 0-dim): absmax - mean, 8-bit, blocksize 256."""
     offset = absmax.mean()
-    q, nested = quantize_blockwise(absmax - offset, code, 256)
+    q, nested = quantize_blockwise(absmax - offset, code, 256, flush)
     return q, nested, offset
 
 
 def nested_scales(absmax_8bit: torch.Tensor, absmax_code: torch.Tensor, nested_absmax: torch.Tensor,
-                  offset) -> torch.Tensor:
+                  offset, flush: bool | None = None) -> torch.Tensor:
     """scale_b = fl32(fl32(absmax_code[absmax_8bit[b]] * nested_absmax[b // 256]) + offset)."""
     q = absmax_8bit.detach().reshape(-1).numpy().astype(np.int64)
-    c = absmax_code.detach().reshape(-1).to(torch.float32).numpy()
-    nested = nested_absmax.detach().reshape(-1).to(torch.float32).numpy()
-    off = F32(torch.as_tensor(offset).to(torch.float32).item())
-    return torch.from_numpy((c[q] * np.repeat(nested, 256)[: q.size]) + off)
+    c = _maybe_flush(absmax_code.detach().reshape(-1).to(torch.float32).numpy(), flush)
+    nested = _maybe_flush(nested_absmax.detach().reshape(-1).to(torch.float32).numpy(), flush)
+    off = _maybe_flush(np.array([torch.as_tensor(offset).to(torch.float32).item()], F32), flush)[0]
+    product = _maybe_flush(c[q] * np.repeat(nested, 256)[: q.size], flush)
+    return torch.from_numpy(_maybe_flush(product + off, flush))

@@ -23,11 +23,77 @@ inline bool bnb_is_nan(float x) {
     return (as_type<uint>(x) & 0x7fffffffu) > 0x7f800000u;
 }
 
-// |x| as its bit pattern, NaN as 0. For non-negative floats the bit patterns order like the
-// values, so an integer max of these is the float absmax with NaNs ignored (like fmaxf).
+// |x| as its bit pattern, NaN and float32 subnormals as 0. For non-negative floats the bit
+// patterns order like the values, so an integer max of these is the float absmax with NaNs
+// ignored (like fmaxf). Subnormals count as 0 because Apple GPUs flush float32 subnormal inputs to
+// zero (docs/semantics.md, "Apple GPUs"): a block of zeros and subnormals has absmax 0, like an
+// all-zero block, instead of a subnormal absmax whose reciprocal the GPU cannot form.
 inline uint bnb_abs_bits(float x) {
     uint b = as_type<uint>(x) & 0x7fffffffu;
-    return b > 0x7f800000u ? 0u : b;
+    return (b > 0x7f800000u || b < 0x00800000u) ? 0u : b;
+}
+
+// The reciprocal of a block's absmax, for the scaled values s = fl32(x * fl32(1 / absmax)) of the
+// blockwise quantizers (docs/semantics.md section 2). For absmax > 2^126, fl32(1 / absmax) is a
+// float32 subnormal, which an Apple GPU flushes to 0 (every s would be 0). It is then held as
+// r * 2^64, exactly: its IEEE rounding m * 2^-149 is found with integer arithmetic
+// (m = round-half-even(2^149 / absmax)) and kept as m * 2^-85, a normal float; bnb_scaled
+// multiplies and scales back by 2^-64, which gives the IEEE s whenever s is a normal float.
+struct bnb_recip {
+    float r;      // fl32(1 / absmax), times 2^64 when `scaled`
+    bool scaled;  // absmax > 2^126 (and finite)
+};
+
+// `amax_bits`: the bit pattern of the block's absmax (bnb_abs_bits of it). absmax 0 gives
+// r = inf and absmax inf gives r = 0, as IEEE division does.
+inline bnb_recip bnb_block_recip(uint amax_bits) {
+    bnb_recip rc;
+    if (amax_bits <= 0x7e800000u || amax_bits >= 0x7f800000u) {  // absmax <= 2^126, inf or NaN
+        rc.r = metal::precise::divide(1.0f, as_type<float>(amax_bits));
+        rc.scaled = false;
+        return rc;
+    }
+    // absmax = M * 2^(e - 150) with e = 253 or 254; 1 / absmax = 2^(299 - e) / M units of 2^-149.
+    const uint e = amax_bits >> 23;
+    const ulong M = ulong((amax_bits & 0x7fffffu) | 0x800000u);
+    const ulong N = ulong(1) << (299u - e);
+    ulong q = N / M;
+    const ulong rem2 = 2u * (N - q * M);
+    if (rem2 > M || (rem2 == M && (q & 1u) != 0u)) {
+        q += 1u;  // round half to even: q <= 2^23, exact in a float
+    }
+    rc.r = float(uint(q)) * as_type<float>(0x15000000u);  // * 2^-85
+    rc.scaled = true;
+    return rc;
+}
+
+// s = fl32(x * fl32(1 / absmax)) for the block reciprocal `rc` (a subnormal s may be flushed).
+inline float bnb_scaled(float x, bnb_recip rc) {
+    return rc.scaled ? (x * rc.r) * as_type<float>(0x1f800000u) : x * rc.r;  // * 2^-64
+}
+
+// Whether the IEEE product fl32(x * fl32(1 / absmax)) is non-zero, for a normal x: true exactly
+// when x * r > 2^-150 (2^-150 itself rounds to even, 0). Decided on exponents and an exact fused
+// multiply-add of the significands, so that it holds where the GPU flushes that product (a
+// subnormal s) to zero. A subnormal x counts as 0 (false), as on the GPU.
+inline bool bnb_scaled_is_nonzero(float x, bnb_recip rc) {
+    const uint bx = as_type<uint>(x) & 0x7fffffffu;
+    const uint br = as_type<uint>(rc.r);
+    if ((bx >> 23) == 0u || (br >> 23) == 0u || bx >= 0x7f800000u || br >= 0x7f800000u) {
+        return false;  // x or r zero, subnormal, infinite or NaN: not this case
+    }
+    // x * r = mx * mr * 2^e with significands mx, mr in [1, 2).
+    const int e = int(bx >> 23) + int(br >> 23) - 254 - (rc.scaled ? 64 : 0);
+    if (e >= -149) {
+        return true;
+    }
+    if (e < -151) {
+        return false;
+    }
+    const float mx = as_type<float>((bx & 0x7fffffu) | 0x3f800000u);
+    const float mr = as_type<float>((br & 0x7fffffu) | 0x3f800000u);
+    // mx * mr - 1 (or - 2) is 0 or at least 2^-46 in magnitude: exact, and never subnormal.
+    return fma(mx, mr, e == -150 ? -1.0f : -2.0f) > 0.0f;
 }
 
 // s < 0 for a non-NaN s, false for -0.0.

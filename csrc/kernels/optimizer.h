@@ -208,9 +208,9 @@ inline void bnb_optim_store_codes8(device uchar* dst, uint idx, uint n, bool vec
 // from the sign bit of x, q steps one toward x's sign (q + 1 if x > 0, else q - 1, modulo 256).
 inline void bnb_optim_requantize8(thread const float* x, uint amax_bits, threadgroup const float* code,
                                   threadgroup const float* thresholds, bool signed_state, thread uint* q) {
-    const float r = metal::precise::divide(1.0f, as_type<float>(amax_bits));
+    const bnb_recip rc = bnb_block_recip(amax_bits);
     for (uint k = 0; k < 8u; ++k) {
-        uint c = amax_bits == 0u ? 0u : bnb_code_index(x[k] * r, thresholds);
+        uint c = amax_bits == 0u ? 0u : bnb_code_index(bnb_scaled(x[k], rc), thresholds);
         if (signed_state && (as_type<uint>(code[c]) >> 31) != (as_type<uint>(x[k]) >> 31)) {
             c = (bnb_is_positive(x[k]) ? c + 1u : c - 1u) & 0xffu;
         }

@@ -50,6 +50,19 @@ inline uint bnb_4bit_index(float s) {
     return QUANT == BNB_NF4 ? bnb_nf4_index(s) : bnb_fp4_index(s);
 }
 
+// The nibble of x in a block with reciprocal `rc`: the index of s = bnb_scaled(x, rc). FP4's sign
+// bit is that of the IEEE s (set iff s < 0): where the GPU flushes a non-zero subnormal s to -0.0,
+// the sign comes from x. (NF4 and the magnitude codes are the same for a subnormal s and for 0.)
+template <uint QUANT>
+inline uint bnb_4bit_code(float x, bnb_recip rc) {
+    const float s = bnb_scaled(x, rc);
+    uint q = bnb_4bit_index<QUANT>(s);
+    if (QUANT == BNB_FP4 && s == 0.0f && bnb_is_negative(x) && bnb_scaled_is_nonzero(x, rc)) {
+        q |= 8u;
+    }
+    return q;
+}
+
 template <uint QUANT>
 inline float bnb_4bit_value(uint nibble) {
     return QUANT == BNB_NF4 ? bnb_nf4_table[nibble] : bnb_fp4_table[nibble];
@@ -85,7 +98,7 @@ template <typename T, uint BLOCKSIZE, uint QUANT>
     bits = bnb_block_max_bits<BLOCKSIZE>(bits, sub, lane, sg, partial);
 
     const float amax = as_type<float>(bits);
-    const float r = metal::precise::divide(1.0f, amax);
+    const bnb_recip rc = bnb_block_recip(bits);
     // The lane holding a block's first element writes its absmax (lanes 0 and 16 for blocksize 32).
     const uint block = first / BLOCKSIZE;
     if (first % BLOCKSIZE == 0u && block < bnb_num_blocks<BLOCKSIZE>(n)) {
@@ -95,8 +108,7 @@ template <typename T, uint BLOCKSIZE, uint QUANT>
     for (uint i = 0; i < W / 2u; ++i) {
         // An all-zero block is stored as nibbles 0 explicitly (0 * inf = NaN would give them too,
         // but not under every math mode).
-        b[i] = bits == 0u ? 0u
-                          : (bnb_4bit_index<QUANT>(v[2u * i] * r) << 4) | bnb_4bit_index<QUANT>(v[2u * i + 1u] * r);
+        b[i] = bits == 0u ? 0u : (bnb_4bit_code<QUANT>(v[2u * i], rc) << 4) | bnb_4bit_code<QUANT>(v[2u * i + 1u], rc);
     }
     bnb_store_bytes<W / 2u>(packed, first / 2u, (n + 1u) / 2u, b);
 }

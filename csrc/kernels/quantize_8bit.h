@@ -67,7 +67,7 @@ template <typename T, uint BLOCKSIZE>
 
         const float amax = as_type<float>(bits);
         // Precise reciprocal, then a float32 product: the codes must not depend on fast-math.
-        const float r = metal::precise::divide(1.0f, amax);
+        const bnb_recip rc = bnb_block_recip(bits);
         const uint block = start / BLOCKSIZE;
         if (lane == 0u && start % BLOCKSIZE == 0u && block < bnb_num_blocks<BLOCKSIZE>(n)) {
             absmax[block] = amax;
@@ -76,7 +76,7 @@ template <typename T, uint BLOCKSIZE>
         for (uint i = 0; i < PER_LANE; ++i) {
             // An all-zero block gets index 0 explicitly (0 * inf = NaN would give it too, but
             // not under every math mode).
-            q[i] = bits == 0u ? 0u : bnb_code_index(v[i] * r, thresholds);
+            q[i] = bits == 0u ? 0u : bnb_code_index(bnb_scaled(v[i], rc), thresholds);
         }
         bnb_store_bytes<PER_LANE>(out, first, n, q);
         if (BNB_SIMDS_PER_BLOCK(BLOCKSIZE) > 1u) {
