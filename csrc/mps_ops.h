@@ -7,7 +7,8 @@
 // launch geometry (bnb_mps/executors/native.py).
 //
 // Errors are C++ exceptions, never aborts: std::invalid_argument for bad input (ValueError in
-// Python), std::runtime_error for Metal failures (RuntimeError in Python).
+// Python), std::runtime_error for Metal failures (RuntimeError in Python), PipelineLimit for a
+// threadgroup larger than a kernel's pipeline allows (PipelineLimitError in Python).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,11 +16,28 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace bnb_mps {
+
+// Thrown by KernelLibrary::launch before anything is encoded: the threadgroup has more threads than
+// the kernel's pipeline allows on this GPU (maxTotalThreadsPerThreadgroup, which register pressure
+// can bring below 1024, per kernel and GPU). Python sees bnb_mps.executors.base.PipelineLimitError.
+struct PipelineLimit : std::runtime_error {
+  PipelineLimit(const std::string& kernel_, uint64_t threads_, uint64_t maximum_)
+      : std::runtime_error("threadgroup of " + std::to_string(threads_) + " threads exceeds the " +
+                           std::to_string(maximum_) + " that kernel '" + kernel_ + "' allows"),
+        kernel(kernel_),
+        threads(threads_),
+        maximum(maximum_) {}
+
+  std::string kernel;
+  uint64_t threads;  // threads per threadgroup the launch asked for
+  uint64_t maximum;  // the pipeline's maxTotalThreadsPerThreadgroup
+};
 
 // Threadgroups per grid, or threads per threadgroup: (x, y, z).
 using Dim3 = std::array<uint64_t, 3>;
@@ -64,7 +82,7 @@ class KernelLibrary {
 
   // Encodes `kernel` over `grid` threadgroups of `threadgroup` threads on PyTorch's current MPS
   // stream. Asynchronous: never ends the encoder, commits or waits. A grid with a zero dimension
-  // encodes nothing.
+  // encodes nothing; a threadgroup above the pipeline's maximum throws PipelineLimit.
   void launch(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
               const std::vector<KernelArg>& args);
 

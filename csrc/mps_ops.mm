@@ -221,9 +221,7 @@ void KernelLibrary::launch(const std::string& kernel, const Dim3& grid, const Di
   id<MTLComputePipelineState> state = impl_->pipeline(kernel);
   const uint64_t threads = threadgroup[0] * threadgroup[1] * threadgroup[2];
   if (threads > state.maxTotalThreadsPerThreadgroup) {
-    throw std::invalid_argument("threadgroup of " + std::to_string(threads) + " threads exceeds the " +
-                                std::to_string(state.maxTotalThreadsPerThreadgroup) +
-                                " that kernel '" + kernel + "' allows");
+    throw PipelineLimit(kernel, threads, state.maxTotalThreadsPerThreadgroup);
   }
 
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
@@ -267,11 +265,24 @@ std::string_view embedded_kernel_source() {
 // ---------------------------------------------------------------------------------------------
 // Python module bnb_mps._native. Arguments: a sequence of mps tensors and `bytes` (a Scalar's
 // to_bytes()). pybind11 turns std::invalid_argument into ValueError and std::runtime_error into
-// RuntimeError; c10::Error is rewritten without its C++ backtrace.
+// RuntimeError; c10::Error is rewritten without its C++ backtrace; PipelineLimit becomes the
+// executors' own bnb_mps.executors.base.PipelineLimitError(kernel, threads, maximum).
 
 namespace py = pybind11;
 
 namespace {
+
+// bnb_mps.executors.base.PipelineLimitError, looked up once when the module is imported (a
+// reference kept for the life of the process).
+PyObject* pipeline_limit_error = nullptr;
+
+void translate_pipeline_limit(std::exception_ptr failure) {
+  try {
+    std::rethrow_exception(failure);  // other exceptions go on to pybind11's other translators
+  } catch (const bnb_mps::PipelineLimit& e) {
+    PyErr_SetObject(pipeline_limit_error, py::make_tuple(e.kernel, e.threads, e.maximum).ptr());
+  }
+}
 
 template <typename F>
 auto translate_errors(F&& body) -> decltype(body()) {
@@ -307,6 +318,9 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "bnb_mps native Metal executor (see csrc/mps_ops.h)";
   m.attr("BUILT_WITH_TORCH") = BNB_MPS_TORCH_VERSION;
   m.attr("BUILT_WITH_CXX11_ABI") = static_cast<bool>(BNB_MPS_TORCH_CXX11_ABI);
+  py::object limit_error = py::module_::import("bnb_mps.executors.base").attr("PipelineLimitError");
+  pipeline_limit_error = limit_error.release().ptr();
+  py::register_local_exception_translator(&translate_pipeline_limit);
 
   py::class_<bnb_mps::KernelLibrary, std::shared_ptr<bnb_mps::KernelLibrary>>(m, "KernelLibrary")
       .def_property_readonly("origin", &bnb_mps::KernelLibrary::origin)

@@ -20,7 +20,7 @@ import torch
 
 from bnb_mps.msl import source as kernel_source
 from bnb_mps.executors import _embed_kernels, native
-from bnb_mps.executors.base import ExecutorUnavailable
+from bnb_mps.executors.base import ExecutorUnavailable, PipelineLimitError
 from bnb_mps.kernel_args import Scalar, float16, float32, int64, uint32
 from geometry_kernel import GEOMETRY_KERNEL, GEOMETRY_SCALARS, expected_geometry_output
 
@@ -365,6 +365,22 @@ def test_native_errors_are_python_errors():
         lib.launch("bnb_test_geometry", (1, 1, 1), (1, 1, 1), [torch.zeros(5, dtype=torch.int32)] + [b"\0\0\0\0"] * 4)
     with pytest.raises(RuntimeError, match="rejected"):
         _native.compile_library("kernel void broken( {}")
+
+
+@pytest.mark.mps
+@requires_native_mps
+def test_a_threadgroup_above_the_pipelines_maximum_is_a_pipeline_limit_error():
+    """The C++ check (the Python geometry check, bypassed here, stops at Metal's 1024) raises the
+    executors' own exception class, with the kernel, the threads and the pipeline's maximum."""
+    import bnb_mps._native as _native
+
+    lib = _native.compile_library(GEOMETRY_KERNEL)
+    maximum = lib.pipeline_info("bnb_test_geometry")["max_total_threads_per_threadgroup"]
+    out = torch.zeros(5 * (maximum + 32), dtype=torch.int32, device="mps")  # room for every thread, were it to run
+    scalars = [s.to_bytes() for s in GEOMETRY_SCALARS]
+    with pytest.raises(PipelineLimitError) as info:
+        lib.launch("bnb_test_geometry", (1, 1, 1), (maximum + 32, 1, 1), [out, *scalars])
+    assert (info.value.kernel, info.value.threads, info.value.maximum) == ("bnb_test_geometry", maximum + 32, maximum)
 
 
 @pytest.mark.mps

@@ -18,7 +18,7 @@ import torch
 
 from bnb_mps.msl import source as kernel_source
 from bnb_mps.executors import shader
-from bnb_mps.executors.base import ExecutorUnavailable
+from bnb_mps.executors.base import ExecutorUnavailable, PipelineLimitError
 from bnb_mps.kernel_args import Scalar, bool_, float16, float32, int32, int64, uint32, uint64
 from geometry_kernel import GEOMETRY_KERNEL, GEOMETRY_SCALARS, expected_geometry_output
 
@@ -55,13 +55,31 @@ class FakeKernel:
         )
 
 
-class FakeLibrary:
-    """Stands in for torch.mps.compile_shader's result: dir() lists kernels, attributes are kernels."""
+class LimitedKernel(FakeKernel):
+    """A kernel whose pipeline reports `max_threads_per_threadgroup` (as torch's kernel function
+    does), counting how often it is read."""
 
-    def __init__(self, names=("k",)) -> None:
+    def __init__(self, name: str, calls: list, maximum: int) -> None:
+        super().__init__(name, calls)
+        self.maximum = maximum
+        self.limit_reads = 0
+
+    @property
+    def max_threads_per_threadgroup(self) -> int:
+        self.limit_reads += 1
+        return self.maximum
+
+
+class FakeLibrary:
+    """Stands in for torch.mps.compile_shader's result: dir() lists kernels, attributes are kernels.
+    Kernels named in `limits` report that pipeline maximum; the others report none (as before torch 2.7)."""
+
+    def __init__(self, names=("k",), limits=None) -> None:
         self._names = list(names)
+        self.limits = limits or {}
         self.calls: list = []
         self.lookups = 0
+        self.kernels: list = []
 
     def __dir__(self):
         return list(self._names)
@@ -70,7 +88,11 @@ class FakeLibrary:
         if name.startswith("_") or name not in self._names:
             raise RuntimeError(f"Failed to create function state object for: {name}")
         self.lookups += 1
-        return FakeKernel(name, self.calls)
+        if name in self.limits:
+            self.kernels.append(LimitedKernel(name, self.calls, self.limits[name]))
+        else:
+            self.kernels.append(FakeKernel(name, self.calls))
+        return self.kernels[-1]
 
 
 class CpuShaderExecutor(shader.ShaderExecutor):
@@ -162,6 +184,23 @@ def test_kernel_function_is_looked_up_once():
     for _ in range(3):
         ex.launch("k", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
     assert len(lib.calls) == 3 and lib.lookups == 1
+
+
+def test_a_threadgroup_above_the_pipelines_maximum_is_refused_before_the_function_is_called():
+    lib = FakeLibrary(["small", "big"], limits={"small": 256, "big": 1024})
+    ex = CpuShaderExecutor(lib)
+    with pytest.raises(PipelineLimitError) as info:
+        ex.launch("small", grid=(4, 1, 1), threadgroup=(128, 4, 1), args=[torch.zeros(8), uint32(1)])
+    assert (info.value.kernel, info.value.threads, info.value.maximum) == ("small", 512, 256)
+    assert "kernel small: its pipeline allows at most 256 threads per threadgroup" in str(info.value)
+    assert lib.calls == []
+    ex.launch("small", grid=(4, 1, 1), threadgroup=(256, 1, 1), args=[])  # at the maximum: runs
+    ex.launch("big", grid=(1, 1, 1), threadgroup=(512, 1, 1), args=[])  # another kernel, its own maximum
+    with pytest.raises(PipelineLimitError):
+        ex.launch("small", grid=(1, 1, 1), threadgroup=(257, 1, 1), args=[])
+    assert [(c["kernel"], c["group_size"]) for c in lib.calls] == [("small", [256, 1, 1]), ("big", [512, 1, 1])]
+    # the maximum is read once per kernel, with the function, not per launch
+    assert lib.lookups == 2 and [k.limit_reads for k in lib.kernels] == [1, 1]
 
 
 def test_unknown_kernel_is_a_value_error_naming_it():

@@ -3,7 +3,8 @@ tier; else bitsandbytes' own implementation that runs on mps (the op is handed b
 the CPU round trip, only for ops bitsandbytes cannot run on mps.
 
 On Linux no GPU tier loads (the truth here); a stand-in GPU tier (the emulated executor under the
-name "shader") and a stand-in for bitsandbytes' own mps kernel cover the other cases. Calls go
+name "shader", optionally with a pipeline that refuses a kernel's threadgroup) and a stand-in for
+bitsandbytes' own mps kernel cover the other cases. Calls go
 through `op.redispatch(DispatchKeySet(MPS), ...)` on CPU tensors, which is what a Mac's mps
 tensors reach.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch._C import DispatchKey, DispatchKeySet
 import bnb_mps
 import op_inputs
 from bnb_mps import executors, ops, registration
-from bnb_mps.executors import ExecutorUnavailable
+from bnb_mps.executors import ExecutorUnavailable, PipelineLimitError
 from bnb_mps.executors import cpu as cpu_fallback
 from bnb_mps.testing import RecordingExecutor
 
@@ -197,6 +199,151 @@ def test_routes_follow_the_selection(no_gpu_tier):
     no_gpu_tier.setenv("BNB_MPS_EXECUTOR", "cpu")
     executors.reset()
     assert ops.route("quantize_4bit").tier == "cpu"
+
+
+# -- pipeline limits: a kernel tier that refuses a launch ---------------------------------------------
+
+
+class LimitedExecutor:
+    """A GPU tier whose pipelines of the kernels `refused(kernel)` picks allow only `maximum`
+    threads per threadgroup: their launches above it raise PipelineLimitError before running, as
+    the native and shader tiers do. Only that limit is faked; every other launch runs on `inner`."""
+
+    name = "shader"
+
+    def __init__(self, inner, refused, maximum: int) -> None:
+        self.inner, self.refused, self.maximum = inner, refused, maximum
+        self.refusals: list[str] = []
+
+    def launch(self, kernel, *, grid, threadgroup, args) -> None:
+        threads = math.prod(threadgroup)
+        if self.refused(kernel) and threads > self.maximum:
+            self.refusals.append(kernel)
+            raise PipelineLimitError(kernel, threads, self.maximum)
+        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+
+@pytest.fixture
+def limited_gpu_tier(stand_in_gpu_tier, fresh_tier_selection):
+    """`limit(refused, maximum)`: the stand-in GPU tier (whose `launched` lists the launches that
+    ran), with the pipeline limit of LimitedExecutor."""
+
+    def limit(refused, maximum: int) -> LimitedExecutor:
+        limited = LimitedExecutor(stand_in_gpu_tier, refused, maximum)
+
+        def load(name):
+            if name == "shader":
+                return limited
+            raise ExecutorUnavailable(f"{name} stands in as unavailable")
+
+        fresh_tier_selection.setattr(executors, "load_tier", load)
+        executors.reset()
+        return limited
+
+    return limit
+
+
+def case(name, label):
+    return copy.deepcopy(dict(op_inputs.cases(name))[label])
+
+
+def test_a_refused_kernel_sends_the_op_to_bitsandbytes_and_the_call_still_returns(limited_gpu_tier, fallback_calls):
+    name, kernel = "quantize_blockwise", "bnb_quantize_blockwise_f32_4096"  # blocksize 4096: 512 threads
+    limited = limited_gpu_tier(lambda k: k == kernel, 256)
+    args = case(name, "torch.float32-(4101,)-4096")
+    want = stock_mps_result(name, copy.deepcopy(args))
+    assert ops.route(name).tier == "shader"
+    got = ops.op_packet(name).redispatch(MPS, *copy.deepcopy(args))
+    assert_same(got, want)
+    assert limited.refusals == [kernel] and fallback_calls == []
+    info = bnb_mps.backend_info()[name]
+    assert info["tier"] == "bitsandbytes"
+    assert f"kernel {kernel}: its pipeline allows at most 256 threads per threadgroup, the op launches 512" in (
+        info["reason"])
+    assert "default kernel" in info["reason"]
+    # later calls go to bitsandbytes directly, whatever their blocksize (the whole op left the tier)
+    assert not has_mps_kernel_of_ours(name)
+    small = case(name, "torch.float32-(1000,)-256")
+    assert_same(ops.op_packet(name).redispatch(MPS, *copy.deepcopy(small)), stock_mps_result(name, small))
+    assert limited.refusals == [kernel] and limited.inner.launched == []
+    # another op keeps its kernel tier
+    assert ops.route("quantize_4bit").tier == "shader"
+    ops.op_packet("quantize_4bit").redispatch(MPS, *first_case("quantize_4bit"))
+    assert limited.inner.launched and limited.inner.launched[0].startswith("bnb_quantize_4bit_")
+    assert bnb_mps.backend_info()["quantize_4bit"]["tier"] == "shader"
+
+
+def test_a_refused_kernel_sends_the_op_to_bitsandbytes_own_mps_kernel(limited_gpu_tier, fallback_calls):
+    """A stand-in for bitsandbytes' mps backend kernel (the test above has its default kernel)."""
+    name = "dequantize_blockwise.out"
+    limited = limited_gpu_tier(lambda k: k.startswith("bnb_dequantize_blockwise_"), 128)  # they launch 256
+    args = first_case(name)
+    want = copy.deepcopy(args)
+    cpu_fallback.cpu_call(name, want)
+    theirs = torch.library.Library("bitsandbytes", "IMPL")
+    calls = []
+    theirs.impl(name, lambda *a: calls.append(name) or cpu_fallback.cpu_call(name, list(a)), "MPS")
+    bnb_mps.unregister()
+    bnb_mps.register()  # ours on top again, theirs inactive below
+    try:
+        got = copy.deepcopy(args)
+        assert ops.op_packet(name).redispatch(MPS, *got) is None
+        assert calls == [name] and fallback_calls == [] and len(limited.refusals) == 1
+        assert torch.equal(got[-1], want[-1])  # `out`, written by their kernel alone
+        info = bnb_mps.backend_info()[name]
+        assert info["tier"] == "bitsandbytes" and "own mps kernel" in info["reason"]
+        assert f"kernel {limited.refusals[0]}: its pipeline allows at most 128" in info["reason"]
+    finally:
+        registration.reinstate()
+        theirs._destroy()
+
+
+def test_a_refused_kernel_of_an_op_bitsandbytes_cannot_run_on_mps_takes_the_round_trip(limited_gpu_tier,
+                                                                                         fallback_calls):
+    """int8_double_quant, refused at its second launch (the stats pass ran)."""
+    name = "int8_double_quant"
+    limited = limited_gpu_tier(lambda k: k.startswith("bnb_int8_double_quant_apply_"), 64)  # 2048 columns: 128
+    A = op_inputs.randn(8, 2048, dtype=torch.float16, seed=5, scale=1.5)
+    want = cpu_fallback.cpu_call(name, [A.clone(), 0.0])
+    for calls in (1, 2):
+        got = ops.op_packet(name).redispatch(MPS, A.clone(), 0.0)
+        assert_same(got, want)
+        assert fallback_calls == [name] * calls
+    assert limited.refusals == ["bnb_int8_double_quant_apply_f16"]  # the second call went to the round trip directly
+    assert limited.inner.launched == ["bnb_int8_double_quant_stats_f16"]
+    assert has_mps_kernel_of_ours(name)
+    info = bnb_mps.backend_info()[name]
+    assert info["tier"] == "cpu" and "bitsandbytes cannot run it on mps" in info["reason"]
+    assert "kernel bnb_int8_double_quant_apply_f16: its pipeline allows at most 64" in info["reason"]
+    assert ops.route("int8_vectorwise_quant").tier == "shader"
+
+
+@pytest.mark.parametrize("name, label, refused, first", [
+    ("optimizer_update_32bit", "lamb-torch.float32", "bnb_optimizer_32bit_adam_f32",
+     "bnb_optimizer_32bit_unorm_adam_f32"),
+    ("optimizer_update_32bit", "lars-torch.float16", "bnb_optimizer_32bit_momentum_f16",
+     "bnb_optimizer_32bit_unorm_momentum_f16"),
+    ("int8_vectorwise_quant", "torch.float32-2.0", "bnb_int8_outlier_finish", "bnb_int8_vectorwise_quant_outliers_f32"),
+])  # fmt: skip
+def test_an_op_refused_at_its_second_launch_is_served_whole_from_its_untouched_arguments(
+    limited_gpu_tier, fallback_calls, name, label, refused, first
+):  # fmt: skip
+    """The first launch ran (on the stand-in GPU tier); bitsandbytes then serves the call from the
+    caller's arguments, which that launch left alone: in-place updates (parameters, optimizer
+    states, unorm_vec) and outputs equal stock's exactly."""
+    limited = limited_gpu_tier(lambda k: k == refused, 128)  # both launch 256 threads per threadgroup
+    args = case(name, label)
+    want_args = copy.deepcopy(args)
+    want = stock_mps_result(name, want_args)
+    got_args = copy.deepcopy(args)
+    got = ops.op_packet(name).redispatch(MPS, *got_args)
+    assert limited.inner.launched == [first] and limited.refusals == [refused]
+    assert fallback_calls == []
+    assert_same(got, want)
+    for g, w in zip(got_args, want_args):
+        if isinstance(w, torch.Tensor):
+            assert_same(g, w)
+    assert bnb_mps.backend_info()[name]["tier"] == "bitsandbytes"
 
 
 # -- on a Mac -----------------------------------------------------------------------------------------

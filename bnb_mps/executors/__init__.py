@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import Executor, ExecutorUnavailable
+from .base import Executor, ExecutorUnavailable, PipelineLimitError
 
 logger = logging.getLogger("bnb_mps")
 

@@ -44,6 +44,23 @@ class ExecutorUnavailable(RuntimeError):
     shown to the user (e.g. "native library not built: run `pip install -e .` on macOS")."""
 
 
+class PipelineLimitError(RuntimeError):
+    """Raised by a GPU tier's `launch()`, before anything is encoded, when the threadgroup asks for
+    more threads than the kernel's compiled pipeline allows on this GPU (Metal's
+    maxTotalThreadsPerThreadgroup, which register pressure can bring below 1024, per kernel and GPU).
+    The launch did nothing; the op layer routes the op elsewhere (`bnb_mps.ops.routing`)."""
+
+    def __init__(self, kernel: str, threads: int, maximum: int) -> None:
+        super().__init__(kernel, threads, maximum)
+        self.kernel = kernel
+        self.threads = threads  # threads per threadgroup the launch asked for
+        self.maximum = maximum  # the pipeline's maxTotalThreadsPerThreadgroup
+
+    def __str__(self) -> str:
+        return (f"kernel {self.kernel}: its pipeline allows at most {self.maximum} threads per threadgroup, the "
+                f"launch asks for {self.threads}")
+
+
 # Each tier module (`native`, `shader`, `emulated`) exposes `load() -> Executor`, which either
 # returns a ready executor (compiled library, warm pipeline cache) or raises ExecutorUnavailable.
 # `bnb_mps.executors` calls it lazily, once per process, and picks the best tier that loads.

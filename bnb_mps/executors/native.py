@@ -45,7 +45,8 @@ class NativeExecutor:
         if not check_geometry(grid, threadgroup):
             return
         # Scalars travel as their exact bytes (setBytes); tensors as they are (the C++ side checks
-        # that they are on mps and binds them at storage_offset * element_size).
+        # that they are on mps and binds them at storage_offset * element_size, and raises
+        # PipelineLimitError before encoding when the pipeline allows fewer threads than asked).
         self._launch(kernel, grid, threadgroup, [a.to_bytes() if isinstance(a, Scalar) else a for a in args])
 
     def pipeline_info(self, kernel: str) -> dict:

@@ -8,7 +8,10 @@ torch/csrc/mps/Module.cpp and aten/src/ATen/native/mps/MetalShaderLibrary.mm:
   - a Python int binds as 8 bytes (int64) and a float as 4 (float32), unless `arg_casts` maps the
     argument's index to "int8", "int16", "int32", "uint8", "fp16" or "bf16";
   - `threads` is the total thread count per dimension and `group_size` the threadgroup size,
-    dispatched with dispatchThreads; torch raises if the group exceeds the pipeline's maximum.
+    dispatched with dispatchThreads; torch raises if the group exceeds the pipeline's maximum, but
+    only after it has started encoding, so this module checks first (PipelineLimitError);
+  - the kernel function reports its pipeline's `max_threads_per_threadgroup` (and
+    `thread_execution_width`).
 So every Scalar is passed as the signed integer with exactly its bytes, cast to its width: a
 `constant uint&` gets 4 bytes and a `constant half&` 2, bit for bit `Scalar.to_bytes()` (NaN
 payloads and -0.0 included), whatever the MSL type. A grid of (gx, gy, gz) threadgroups of
@@ -32,8 +35,9 @@ import torch
 
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
-from ._gpu_common import check_geometry, check_simd_width, first_lines, mps_unavailable_reason
-from .base import Dim3, ExecutorUnavailable, KernelArg
+from ._gpu_common import (MAX_THREADS_PER_THREADGROUP, check_geometry, check_simd_width, first_lines,
+                          mps_unavailable_reason)
+from .base import Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError
 
 # Versions, checked in the released macOS arm64 wheels (the strings of libtorch_python.dylib):
 # torch 2.6.0 already has the kernel call with `threads`, `group_size` and `arg_casts` (casts
@@ -67,20 +71,29 @@ class ShaderExecutor:
     def __init__(self, library) -> None:
         self._library = library
         self._names = frozenset(dir(library))  # the library's kernel function names
-        self._kernels: dict = {}
+        self._kernels: dict = {}  # kernel -> (function, its pipeline's max threads per threadgroup)
 
-    def _kernel(self, kernel: str):
-        fn = self._kernels.get(kernel)
-        if fn is None:
+    def _kernel(self, kernel: str) -> tuple:
+        found = self._kernels.get(kernel)
+        if found is None:
             if kernel not in self._names:
                 raise ValueError(f"kernel {kernel!r} is not in the bnb_mps kernel library")
-            fn = self._kernels[kernel] = getattr(self._library, kernel)
-        return fn
+            fn = getattr(self._library, kernel)
+            # The pipeline's maxTotalThreadsPerThreadgroup, read once (torch's kernel function
+            # reports it next to thread_execution_width; were it missing, Metal's general limit,
+            # and torch's own check at dispatch has the last word).
+            limit = getattr(fn, "max_threads_per_threadgroup", MAX_THREADS_PER_THREADGROUP)
+            found = self._kernels[kernel] = (fn, limit)
+        return found
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
         if not check_geometry(grid, threadgroup):
             return
-        fn = self._kernel(kernel)
+        fn, limit = self._kernel(kernel)
+        gx, gy, gz = grid
+        tx, ty, tz = threadgroup
+        if tx * ty * tz > limit:  # refused before torch binds anything (it encodes as it binds)
+            raise PipelineLimitError(kernel, tx * ty * tz, limit)
         values: list = []
         casts: dict[int, str] = {}
         for i, arg in enumerate(args):
@@ -101,8 +114,6 @@ class ShaderExecutor:
                     f"argument {i} of kernel {kernel!r} must be a tensor or a bnb_mps.kernel_args.Scalar, "
                     f"got {type(arg).__name__}"
                 )
-        gx, gy, gz = grid
-        tx, ty, tz = threadgroup
         fn(*values, threads=[gx * tx, gy * ty, gz * tz], group_size=[tx, ty, tz], arg_casts=casts or None)
 
 

@@ -6,6 +6,7 @@ Importing this package fills `OPS` with every schema bnb_mps serves.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Optional
@@ -13,8 +14,11 @@ from typing import Optional
 from .. import executors
 from ..executors import cpu as cpu_fallback
 from . import blockwise, fourbit, int8, matmul_4bit, optim  # noqa: F401  (each declares its ops)
+from . import routing
 from .registry import OPS, OpDef, argument_spec, bind, op_packet
 from .routing import Route, route
+
+logger = logging.getLogger("bnb_mps")
 
 __all__ = ["OPS", "OpDef", "Route", "call", "call_counts", "dispatcher_entry", "op_packet", "reset_call_counts",
            "route"]
@@ -40,21 +44,50 @@ def reset_call_counts() -> None:
     _calls.clear()
 
 
-def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Optional[executors.Executor] = None):
+def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Optional[executors.Executor] = None,
+         hand_back: Optional[HandBack] = None):
     """Serve one call of `op`: its kernel on `executor` when one is given (tests, the emulated
-    tier registered for the CPU key), else on its route's tier (kernel or CPU round trip)."""
+    tier registered for the CPU key), else on its route's tier (kernel or CPU round trip). When
+    the tier refuses a launch (PipelineLimitError), the op is routed past it and this call is
+    served there: by bitsandbytes through `hand_back`, or by the CPU round trip."""
     bound = bind(op.name, args, kwargs or {})
     op.check(*bound)
     if executor is not None:
         _calls[op.name, executor.name] += 1
         return op.kernel(executor, *bound)
     r = route(op.name)
+    if r.tier == "cpu":
+        _calls[op.name, r.tier] += 1
+        executors.notify_slow_tier(op.name, r.tier, r.reason)
+        return cpu_fallback.run(op.name, bound)
+    try:
+        result = op.kernel(executors.executor_for(_device_type(bound)), *bound)
+    except executors.PipelineLimitError as limit:
+        return _serve_past_the_limit(op, bound, limit, hand_back)
     _calls[op.name, r.tier] += 1
     if r.tier != "native":
         executors.notify_slow_tier(op.name, r.tier, r.reason)
-    if r.tier == "cpu":
-        return cpu_fallback.run(op.name, bound)
-    return op.kernel(executors.executor_for(_device_type(bound)), *bound)
+    return result
+
+
+def _serve_past_the_limit(op: OpDef, bound: list, limit: executors.PipelineLimitError,
+                          hand_back: Optional[HandBack]):
+    """Route `op` past its kernel tier, which refused one of its launches, and serve this call on
+    the new route, from the caller's arguments as they came.
+
+    Serving the whole call again is correct: the refused launch encoded nothing, and every launch
+    of an op that comes before another one (the int8 outlier passes, the 32-bit optimizers' norm
+    pass) writes only tensors the op allocated for this call; the caller's tensors (optimizer
+    states, `out`, parameters) are written by an op's last launch alone, or after it. What the
+    earlier launches computed is simply dropped.
+    """
+    r = routing.refuse(op.name, limit)
+    logger.warning("bnb_mps: %s is served by %s from now on: %s", op.name, r.tier, r.reason)
+    if r.tier == "bitsandbytes" and hand_back is not None:
+        _calls[op.name, r.tier] += 1
+        return hand_back(op.name, r.reason)(*bound)
+    _calls[op.name, "cpu"] += 1  # (without `hand_back`, e.g. a direct call(), the round trip serves this call)
+    return cpu_fallback.run(op.name, bound)
 
 
 def _device_type(args: list) -> str:
@@ -70,6 +103,7 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, h
     With `executor`, calls run the op's kernel there. Without, calls follow the op's route; on
     the "bitsandbytes" route (and for a schema whose arguments changed) the op is handed back
     with `hand_back`, once, and bitsandbytes' own implementation serves this call and later ones.
+    That route can also be taken during a call, when the kernel tier refuses a launch (`call`).
     """
     op = OPS[name]
     if executor is None and tuple(arg for arg, _ in argument_spec(name)) != op.params:
@@ -83,6 +117,6 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, h
                 _calls[name, r.tier] += 1
                 executors.notify_slow_tier(name, r.tier, r.reason)
                 return hand_back(name, r.reason)(*args, **kwargs)
-        return call(op, args, kwargs, executor)
+        return call(op, args, kwargs, executor, hand_back)
 
     return entry

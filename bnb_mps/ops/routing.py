@@ -11,6 +11,10 @@ In order of preference:
    bitsandbytes cannot run on mps at all, or when BNB_MPS_EXECUTOR=cpu forces it.
 
 Installing bnb_mps therefore never makes an op slower than stock bitsandbytes.
+
+A route is also changed at run time: when the GPU tier refuses one of an op's launches because the
+kernel's pipeline allows fewer threads per threadgroup than the op launches (PipelineLimitError),
+the op takes route 2 or 3 from that call on (`refuse`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ def _compute(name: str, sel) -> Route:
     if sel.forced and sel.tier == "cpu":
         return Route("cpu", sel.reason)
     why = "no Metal kernel for this op yet" if op.kernel is None else f"no GPU tier: {sel.reason}"
+    return _past_our_kernels(name, why)
+
+
+def _past_our_kernels(name: str, why: str) -> Route:
+    """The route after bnb_mps' kernel tier: bitsandbytes' own mps implementation, else the CPU round trip."""
     theirs = bitsandbytes_mps_implementation(name)
     if theirs is not None:
         return Route("bitsandbytes", f"{why}; {theirs} serves it")
@@ -81,3 +90,19 @@ def route(name: str) -> Route:
         if found is None:
             found = _routes[name] = _compute(name, sel)
         return found
+
+
+def refuse(name: str, limit: executors.PipelineLimitError) -> Route:
+    """Route op `name` past its kernel tier, whose executor refused one of the op's launches (a
+    kernel's pipeline allows fewer threads per threadgroup than the op launches, on this GPU), and
+    return the new route. The whole op leaves the tier, not only calls that need that kernel: a
+    call's kernels are known only once it launches, and bitsandbytes takes an op back whole. The
+    route holds until the executors' selection changes."""
+    why = (f"kernel {limit.kernel}: its pipeline allows at most {limit.maximum} threads per threadgroup, the op "
+           f"launches {limit.threads}, so the whole op leaves bnb_mps' kernels")
+    found = _past_our_kernels(name, why)
+    sel = executors.selection()
+    with _lock:
+        if sel is _selection:  # (else the cached routes are stale already: nothing to keep)
+            _routes[name] = found
+    return found
