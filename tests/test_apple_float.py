@@ -196,3 +196,44 @@ def test_ieee_mode_gives_the_ieee_answer_on_huge_blocks_too():
         packed, state4 = F.quantize_4bit(A, blocksize=64, quant_type="fp4")
     assert_same_bits((q, state.absmax), ref.quantize_blockwise(A, F.create_dynamic_map(signed=True), 64, flush=False))
     assert_same_bits((packed, state4.absmax), ref.quantize_4bit(A, 64, "fp4", flush=False))
+
+
+def test_int8_rows_of_subnormals_are_zero_rows():
+    """Row and column maxima ignore float32 subnormals (an all-subnormal row has row_stats 0 and
+    codes 0, like a zero row); a subnormal element's code is 0: the reference on the input with its
+    subnormals flushed."""
+    import reference_int8 as R8
+
+    g = torch.Generator().manual_seed(4)
+    A = torch.randn(6, 96, generator=g)
+    A[1] = (torch.rand(96, generator=g) * 2 - 1) * TINY * 0.9  # all subnormal
+    A[3, ::3] = 3e-39  # subnormal elements in an ordinary row
+    A[4] = (torch.rand(96, generator=g) * 2 - 1) * TINY * 8  # tiny normal row with subnormals
+    flushed = torch.where(A.abs() < TINY, 0.0 * A, A)
+    with use_emulated_kernels():
+        got = F.int8_vectorwise_quant(A, threshold=0.0)
+        got_double = torch.ops.bitsandbytes.int8_double_quant(A, 6.0)
+    assert_same_bits(got[:2], R8.int8_vectorwise_quant(flushed, 0.0)[:2], "int8_vectorwise_quant")
+    assert float(got[1][1]) == 0 and not got[0][1].any()
+    want_double = R8.int8_double_quant(flushed, 6.0)
+    assert_same_bits(got_double[:4], want_double[:4], "int8_double_quant")
+    assert_same_bits(got_double[4], want_double[4], "outlier columns")
+
+
+def test_8bit_optimizer_state_above_2_to_126_requantizes_exactly():
+    """A momentum state above 2^126 (the reciprocal of its block maximum is a float32 subnormal)
+    re-quantizes to the IEEE reference's codes and absmax."""
+    import optim_inputs as oi
+    import reference_optim as R
+
+    n = 1000
+    g = torch.randn(n, generator=torch.Generator().manual_seed(8)) * 1e38
+    g[::97] = 3.3e38  # every block's maximum above 2^126
+    args = oi.args_8bit("momentum", n, torch.float32, step=1, weight_decay=0.0, gnorm_scale=1.0, g=g)
+    want = R.optimizer_8bit(*oi.clone(args))
+    assert (want.absmax1 > 2.0**126).all()
+    got = oi.clone(args)
+    with use_emulated_kernels():
+        torch.ops.bitsandbytes.optimizer_update_8bit_blockwise(*got)
+    dev = oi.compare_8bit(got, want, p_before=args[2])
+    assert torch.equal(got[3], want.state1) and torch.equal(got[14], want.absmax1), dev
