@@ -30,22 +30,23 @@ class EmulatedExecutor:
         self.seed = 0
         self.float_mode: str | None = None
         self._library = None
-        self._error: Exception | None = None
+        self._text: str | None = None  # the source the library was compiled from
         self._lock = threading.Lock()
 
     def _load(self):
-        """Compiles the kernel source once per process (a missing source is reported at launch)."""
+        """Compiles the kernel source (once per source text: BNB_MPS_KERNEL_DIR may point elsewhere
+        later in the process); a missing source is reported at launch."""
         from .. import emulator
         from ..msl import source as kernel_source
 
+        try:
+            text = kernel_source.source()
+        except (FileNotFoundError, ValueError) as e:
+            raise emulator.KernelError(f"no kernel source to run: {e}") from None
         with self._lock:
-            if self._library is None and self._error is None:
-                try:
-                    self._library = emulator.Library(kernel_source.source(), name="bnb_mps kernels")
-                except FileNotFoundError as e:
-                    self._error = emulator.KernelError(f"no kernel source to run: {e}")
-            if self._error is not None:
-                raise self._error
+            if self._library is None or self._text is not text:
+                self._library = emulator.Library(text, name="bnb_mps kernels")
+                self._text = text
             return self._library
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:

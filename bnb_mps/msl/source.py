@@ -10,14 +10,28 @@ a `#line` directive so that compiler errors and emulator reports name the origin
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
 from pathlib import Path
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
+#: A directory of `.metal`/`.h` files that every tier compiles instead of the packaged kernels (a
+#: kernel developer trying a change without reinstalling; tests planting faults).
+KERNEL_DIR_ENV = "BNB_MPS_KERNEL_DIR"
+
+
 def kernel_dir() -> Path:
-    """Where the `.metal` files are: inside an installed wheel, or in the source checkout."""
+    """Where the `.metal` files are: $BNB_MPS_KERNEL_DIR when set, else inside an installed wheel,
+    else in the source checkout."""
+    override = os.environ.get(KERNEL_DIR_ENV, "").strip()
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_dir() or not any(path.glob("*.metal")):
+            raise FileNotFoundError(f"{KERNEL_DIR_ENV}={override!r} is not a directory holding .metal files")
+        return path.resolve()
     package = Path(__file__).resolve().parents[1]
     for candidate in (package / "kernels", package.parent / "csrc" / "kernels"):
         if candidate.is_dir() and any(candidate.glob("*.metal")):
@@ -64,7 +78,18 @@ def amalgamate(directory: Path | str | None = None, *, line_directives: bool = T
     return text
 
 
-@functools.cache
 def source() -> str:
-    """The project's kernel amalgamation (cached for the process)."""
-    return amalgamate()
+    """The kernel amalgamation of `kernel_dir()` (the packaged kernels, or $BNB_MPS_KERNEL_DIR's),
+    read once per directory per process."""
+    return _source_of(kernel_dir())
+
+
+@functools.cache
+def _source_of(directory: Path) -> str:
+    return amalgamate(directory)
+
+
+def source_hash(text: str | None = None) -> str:
+    """A short digest of the kernel source (`source()` by default): what a compiled kernel, or a
+    verification verdict, was made from."""
+    return hashlib.sha256((source() if text is None else text).encode()).hexdigest()[:16]
