@@ -5,7 +5,9 @@
 
 # The kernels use bfloat, which needs Metal 3.1; Metal 3.1 came with macOS 14 (Sonoma), so a
 # library built for it is only loadable from macOS 14 on. (On older systems the native library
-# compiles its embedded source instead, without the bfloat kernels.)
+# compiles its embedded source instead, without the bfloat kernels.) At metal3.1 the kernels'
+# `#pragma METAL fp` lines (csrc/kernels/bnb_math_mode.h, Metal >= 3.2) are compiled out: safe math
+# comes from -fno-fast-math.
 set(BNB_MPS_METAL_STD "metal3.1")
 set(BNB_MPS_METAL_MACOS_MIN "14.0")
 set(BNB_MPS_METAL_FLAGS -std=${BNB_MPS_METAL_STD} -mmacosx-version-min=${BNB_MPS_METAL_MACOS_MIN} -fno-fast-math)

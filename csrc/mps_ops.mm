@@ -162,7 +162,9 @@ std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source)
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
     use_safe_math(options);
     if (@available(macOS 14.0, *)) {
-      options.languageVersion = MTLLanguageVersion3_1;  // bfloat
+      // bfloat. At 3.1 the source's `#pragma METAL fp` lines (kernels/bnb_math_mode.h, Metal >= 3.2)
+      // are compiled out: safe math comes from use_safe_math above.
+      options.languageVersion = MTLLanguageVersion3_1;
     }
     NSError* error = nil;
     id<MTLLibrary> library = [metal_device() newLibraryWithSource:text options:options error:&error];

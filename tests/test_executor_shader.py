@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 import struct
+import warnings
 
 import pytest
 import torch
@@ -315,6 +316,79 @@ def test_missing_kernel_sources_become_unavailable(monkeypatch):
     _pretend_mps(monkeypatch, lambda source: pytest.fail("must not compile"))
     with pytest.raises(ExecutorUnavailable, match="kernel sources not found"):
         shader.load()
+
+
+# --- math mode -----------------------------------------------------------------------------------
+
+# The Metal language version torch.mps.compile_shader asks for, (torch, macOS) -> MSL, as read in
+# the released macOS arm64 wheels (MetalShaderLibrary::compileLibrary in libtorch_cpu.dylib):
+# torch 2.7 and 2.8: 3.1 from macOS 14; 2.9 and 2.10: 3.1 always; 2.11 to 2.13: 4.0 from macOS 26,
+# 3.2 from macOS 15, else 3.1. The kernel source's `#pragma METAL fp` lines are compiled for 3.2 on.
+COMPILE_SHADER_MSL = {
+    ((2, 7), (14, 6)): (3, 1),
+    ((2, 8), (15, 3)): (3, 1),
+    ((2, 9), (15, 0)): (3, 1),
+    ((2, 10), (26, 0)): (3, 1),
+    ((2, 11), (14, 7)): (3, 1),
+    ((2, 11), (15, 0)): (3, 2),
+    ((2, 12), (26, 1)): (4, 0),
+    ((2, 13), (14, 4)): (3, 1),
+    ((2, 13), (15, 6)): (3, 2),
+    ((2, 13), (26, 0)): (4, 0),
+}
+
+
+@pytest.mark.parametrize(("torch_ver", "macos"), sorted(COMPILE_SHADER_MSL))
+def test_math_mode_is_pinned_where_compile_shader_uses_metal_3_2(torch_ver, macos):
+    assert shader.math_mode_pinned(macos, torch_ver) == (COMPILE_SHADER_MSL[torch_ver, macos] >= (3, 2))
+
+
+def test_math_mode_is_not_pinned_off_macos():
+    assert not shader.math_mode_pinned(None, (2, 13))
+
+
+@pytest.mark.parametrize(
+    ("value", "fast"),
+    # torch 2.13: fast math when the variable is set to anything but "0"
+    [(None, False), ("0", False), ("1", True), ("2", True), ("true", True), ("", True), ("00", True)],
+)
+def test_fast_math_is_requested_as_torch_reads_the_variable(value, fast):
+    environ = {} if value is None else {shader.FAST_MATH_ENV: value}
+    assert shader.fast_math_requested(environ) is fast
+
+
+def _fast_math_warnings(monkeypatch, macos, version, value, loads=2):
+    """FastMathWarnings of `loads` shader loads in one (pretend) process on that macOS and torch."""
+    monkeypatch.setattr(shader, "_fast_math_warned", False)  # a fresh process
+    monkeypatch.setattr(shader, "_macos_version", lambda: macos)
+    monkeypatch.setattr(torch, "__version__", version)
+    if value is None:
+        monkeypatch.delenv(shader.FAST_MATH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(shader.FAST_MATH_ENV, value)
+    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k() {}\n")
+    _pretend_mps(monkeypatch, lambda source: FakeLibrary(["k"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(loads):
+            assert shader.load().name == "shader"
+    return [w for w in caught if issubclass(w.category, shader.FastMathWarning)]
+
+
+@pytest.mark.parametrize(("macos", "version"), [((14, 6), "2.13.0"), ((26, 0), "2.10.1"), ((15, 1), "2.9.0")])
+def test_fast_math_warns_once_where_the_source_cannot_pin_the_mode(monkeypatch, macos, version):
+    caught = _fast_math_warnings(monkeypatch, macos, version, "1")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert shader.FAST_MATH_ENV in message and version in message and f"macOS {macos[0]}.{macos[1]}" in message
+
+
+@pytest.mark.parametrize(
+    ("macos", "version", "value"),
+    [((15, 0), "2.13.0", "1"), ((26, 0), "2.11.0", "1"), ((14, 6), "2.13.0", None), ((14, 6), "2.13.0", "0")],
+)
+def test_no_fast_math_warning_where_the_mode_is_pinned_or_not_asked_for(monkeypatch, macos, version, value):
+    assert _fast_math_warnings(monkeypatch, macos, version, value) == []
 
 
 # --- on a Mac ------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """The kernel amalgamation every executor compiles: local includes inlined once, line mapping kept."""
 
+import re
+
 import pytest
 
 from bnb_mps.msl import source as kernel_source
+from bnb_mps.msl.text import strip_comments
 
 
 def write(tmp_path, name, text):
@@ -39,3 +42,17 @@ def test_the_project_source_is_stable_and_names_its_kernels():
     src = kernel_source.source()
     assert src == kernel_source.amalgamate() and src.isascii()
     assert "bnb_quantize_blockwise" in src
+
+
+def test_the_source_pins_safe_math_and_no_contraction_before_any_kernel_code():
+    # csrc/kernels/bnb_math_mode.h: for Metal >= 3.2, file-scope pragmas ahead of every kernel
+    code = [line.strip() for line in strip_comments(kernel_source.source()).splitlines()]
+    guard = "#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320"
+    assert code.count(guard) == 1
+    at = code.index(guard)
+    assert code[at + 1 : at + 3] == ["#pragma METAL fp math_mode(safe)", "#pragma METAL fp contract(off)"]
+    before = [line for line in code[:at] if line and not line.startswith("#line ")]
+    assert before == ["#include <metal_stdlib>"]  # nothing of the kernels' own comes first
+    # and nothing later loosens it again
+    loosening = re.compile(r"#\s*pragma\s+(METAL|clang)\s+fp\b.*\b(fast|relaxed|on)\b")
+    assert not [line for line in code if loosening.search(line)]

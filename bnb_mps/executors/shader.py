@@ -18,21 +18,38 @@ payloads and -0.0 included), whatever the MSL type. A grid of (gx, gy, gz) threa
 (tx, ty, tz) threads is passed as threads = (gx*tx, gy*ty, gz*tz), group_size = (tx, ty, tz): a
 uniform grid, the same as dispatchThreadgroups.
 
-Math mode: compile_shader takes no compile options; torch chooses them (recent torch sources
-compile with safe math unless the environment sets PYTORCH_MPS_FAST_MATH; other releases may
-differ). The kernels use metal::precise:: for the divisions and square roots of the quantization
-paths, so quantized codes do not depend on that choice. Source rules: ASCII only (torch hands it to Metal as ASCII), fixed-size threadgroup
+Math mode: compile_shader takes no compile options; torch chooses them. As read in the released
+macOS arm64 wheels (MetalShaderLibrary::compileLibrary in libtorch_cpu.dylib, torch 2.7 to 2.13):
+on macOS >= 15 torch sets mathMode and mathFloatingPointFunctions to Safe and Precise, or to Fast
+and Fast when the environment sets PYTORCH_MPS_FAST_MATH (read once per process; in torch 2.13 any
+value but "0"); before macOS 15 it sets fastMathEnabled from the same variable. The language version
+is at most Metal 3.1 in torch 2.7 to 2.10; from torch 2.11 it is 4.0 on macOS >= 26, 3.2 on macOS
+15 and 3.1 before. The kernel source pins safe math and no contraction with `#pragma METAL
+fp` (csrc/kernels/bnb_math_mode.h), compiled for Metal >= 3.2 only: where torch >= 2.11 runs on
+macOS >= 15 the kernels' arithmetic stays safe whatever the variable says (not yet checked on a
+Mac); elsewhere the variable compiles them with fast math, and load() warns once
+(FastMathWarning). Fast math may change the float results of the kernels that add or fuse float
+operations (matmuls, dequantizing matmuls, optimizer updates). The quantization kernels take their
+scales from metal::precise::divide and their absmax, NaN and sign tests from bit patterns, so
+their codes do not depend on it as long as no intermediate is NaN or infinite (fast math lets the
+compiler assume none is).
+
+Source rules: ASCII only (torch hands it to Metal as ASCII), fixed-size threadgroup
 arrays (nothing can set threadgroup memory lengths) - both hold for csrc/kernels by lint.
 """
 
 from __future__ import annotations
 
 import operator
+import os
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import torch
 
+from ..device import _macos_version
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
 from ._gpu_common import (MAX_THREADS_PER_THREADGROUP, check_geometry, check_simd_width, first_lines,
@@ -44,6 +61,54 @@ from .base import Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError
 # int8, int16, int32, uint8, fp16, bf16) but only behind the private torch.mps._compile_shader;
 # torch 2.7.0 is the first with the public torch.mps.compile_shader, which is all this tier uses.
 MIN_TORCH = (2, 7)
+
+# Where the kernel source's `#pragma METAL fp` lines hold (see the module docstring): torch >= 2.11,
+# whose compile_shader asks for Metal 3.2 from macOS 15 on (3.1 before; torch 2.7 to 2.10: 3.1 at
+# most, on every macOS).
+FAST_MATH_ENV = "PYTORCH_MPS_FAST_MATH"
+PINNED_MATH_TORCH = (2, 11)
+PINNED_MATH_MACOS = (15, 0)
+
+
+class FastMathWarning(UserWarning):
+    """PYTORCH_MPS_FAST_MATH makes torch compile the shader tier's kernels with fast math."""
+
+
+def math_mode_pinned(macos: Optional[tuple], torch_ver: tuple) -> bool:
+    """True when compile_shader compiles with Metal >= 3.2 on this macOS ((major, minor), None off
+    macOS) with this torch ((major, minor)), so that the kernel source's pinned safe math and
+    no-contraction hold whatever PYTORCH_MPS_FAST_MATH says."""
+    return macos is not None and tuple(macos) >= PINNED_MATH_MACOS and tuple(torch_ver) >= PINNED_MATH_TORCH
+
+
+def fast_math_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when PYTORCH_MPS_FAST_MATH asks torch for fast math: set, to anything but "0" (torch 2.13)."""
+    value = (os.environ if environ is None else environ).get(FAST_MATH_ENV)
+    return value is not None and value != "0"
+
+
+_fast_math_warned = False
+
+
+def warn_if_fast_math(macos: Optional[tuple], torch_ver: tuple, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Once per process: warn when PYTORCH_MPS_FAST_MATH compiles the kernels with fast math here."""
+    global _fast_math_warned
+    if _fast_math_warned or not fast_math_requested(environ) or math_mode_pinned(macos, torch_ver):
+        return
+    _fast_math_warned = True
+    where = f"macOS {'.'.join(map(str, macos))}" if macos is not None else "this system"
+    warnings.warn(
+        f"bnb_mps: {FAST_MATH_ENV} is set, so torch {torch.__version__} compiles the shader tier's Metal "
+        f"kernels with fast math on {where} (their source pins safe math only where torch compiles Metal "
+        f">= 3.2: torch >= {PINNED_MATH_TORCH[0]}.{PINNED_MATH_TORCH[1]} on macOS >= {PINNED_MATH_MACOS[0]}). "
+        f"Fast math may change the float results of the matmul, dequantizing matmul and optimizer kernels; "
+        f"the quantization kernels' codes do not, except where a NaN or infinity arises (NaN or infinite "
+        f"inputs, int8 rows of zeros). For IEEE results, start Python without {FAST_MATH_ENV} (or with it "
+        f"set to 0): torch reads it once per process.",
+        FastMathWarning,
+        stacklevel=2,
+    )
+
 
 # Scalar byte width -> the arg_casts entry that binds an int with that many bytes (8: int64, the
 # default, needs none).
@@ -137,6 +202,7 @@ def load() -> ShaderExecutor:
         raise ExecutorUnavailable(
             f"torch.mps.compile_shader rejected the kernel source:\n{first_lines(e)}"
         ) from None
+    warn_if_fast_math(_macos_version(), torch_version())
     probe = min(dir(library))  # one pipeline: the width is a property of the GPU
     width = getattr(getattr(library, probe), "thread_execution_width", None)  # (torch >= 2.7 reports it)
     if width is not None:

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <metal_stdlib>
+// Before any kernel code: the pinned floating-point mode (safe math, no contraction).
+#include "bnb_math_mode.h"
 using namespace metal;
 
 // Instantiates a templated kernel under a host name (the name executors look up).
