@@ -70,8 +70,20 @@ inline bnb_recip bnb_block_recip(uint amax_bits) {
 }
 
 // s = fl32(x * fl32(1 / absmax)) for the block reciprocal `rc` (a subnormal s may be flushed).
+// The scaled case divides by 2^64 on the exponent bits: exact for a normal s, a signed zero for a
+// subnormal one, and out of reach of fast math (which could re-associate a float multiply by
+// 2^-64 into the subnormal r itself).
 inline float bnb_scaled(float x, bnb_recip rc) {
-    return rc.scaled ? (x * rc.r) * as_type<float>(0x1f800000u) : x * rc.r;  // * 2^-64
+    const float t = x * rc.r;
+    if (!rc.scaled) {
+        return t;
+    }
+    const uint b = as_type<uint>(t);
+    const uint e = (b >> 23) & 0xffu;
+    if (e == 0xffu) {
+        return t;  // NaN (t is never infinite here: |x| <= absmax < 2^128, r < 2^-61)
+    }
+    return as_type<float>(e > 64u ? b - (64u << 23) : b & 0x80000000u);
 }
 
 // Whether the IEEE product fl32(x * fl32(1 / absmax)) is non-zero, for a normal x: true exactly

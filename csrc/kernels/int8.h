@@ -27,9 +27,10 @@ inline int bnb_int8_round(float v) {
 }
 
 // fl32(127 / max), IEEE-exact whatever the fast-math setting; max is a non-negative float given
-// by its bit pattern (0 gives inf, inf gives 0).
+// by its bit pattern (inf gives 0). A max of 0 (a row of zeros) gives 0 instead of inf: its codes
+// are then 0 from 0 * 0, not from 0 * inf = NaN, which fast math need not keep.
 inline float bnb_int8_scale(uint max_bits) {
-    return metal::precise::divide(127.0f, as_type<float>(max_bits));
+    return max_bits == 0u ? 0.0f : metal::precise::divide(127.0f, as_type<float>(max_bits));
 }
 
 // |x| >= threshold for outlier detection. `threshold_bits` is the bit pattern of the smallest
