@@ -87,9 +87,11 @@ setup_venv() {
   else
     "$PY" -m venv "$VENV" || return 1
     "$VENV/bin/python" -m pip install --upgrade pip || return 1
-    # torch first (the macOS arm64 wheel has MPS), then the build tools, then bnb-mps against it.
-    "$VENV/bin/python" -m pip install torch bitsandbytes "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja || return 1
-    "$VENV/bin/python" -m pip install --no-build-isolation -e "$REPO[test,e2e]" || return 1
+    # torch first (the macOS arm64 wheel has MPS), then the build tools, then bnb-mps against it;
+    # bitsandbytes, transformers, peft and accelerate at the versions tested (constraints.txt).
+    "$VENV/bin/python" -m pip install -c "$REPO/constraints.txt" torch bitsandbytes "scikit-build-core>=0.10" \
+      "pybind11>=2.12" cmake ninja || return 1
+    "$VENV/bin/python" -m pip install --no-build-isolation -c "$REPO/constraints.txt" -e "$REPO[test,e2e]" || return 1
   fi
   "$VENV/bin/python" -c 'import torch, bitsandbytes, bnb_mps; print("torch", torch.__version__, "| bitsandbytes", bitsandbytes.__version__, "| bnb_mps from", bnb_mps.__file__)'
 }

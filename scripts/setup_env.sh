@@ -5,10 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# Every install takes constraints.txt (-c): the versions of bitsandbytes, transformers, peft and
+# accelerate the project is tested with.
 # torch first and pinned: an unpinned torch requirement pulls the CUDA build (several GB) on Linux.
 TORCH_VERSION=${BNB_MPS_TORCH_VERSION:-2.13.0}
-"$PY" -m pip install --quiet "torch==${TORCH_VERSION}"
-"$PY" -m pip install --quiet "bitsandbytes>=0.49" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
+"$PY" -m pip install --quiet -c constraints.txt "torch==${TORCH_VERSION}"
+"$PY" -m pip install --quiet -c constraints.txt bitsandbytes "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
 
 # Optional tools, installed only where that is possible without asking (root with apt-get);
 # the tests that need them are skipped otherwise:
@@ -24,7 +26,7 @@ if { ! command -v clang++ || ! command -v clang++-16 || ! command -v qemu-aarch6
 fi
 
 # --no-build-isolation: the native (macOS) build compiles against the installed torch.
-"$PY" -m pip install --quiet --no-build-isolation -e ".[test,e2e]"
+"$PY" -m pip install --quiet --no-build-isolation -c constraints.txt -e ".[test,e2e]"
 # Bytecode for the editable checkout, as pip writes it for regular installs (the environment may
 # set PYTHONDONTWRITEBYTECODE, and bitsandbytes imports bnb_mps on every `import bitsandbytes`).
 "$PY" -m compileall -q bnb_mps >/dev/null || true

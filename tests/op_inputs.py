@@ -88,10 +88,14 @@ def _dequantize_4bit(out: bool = False):
                 yield f"{dtype}-{qt}-{shape}-{bs}", args
     packed, absmax = quantized_4bit((32, 64), 64, "nf4", storage=torch.bfloat16)
     yield "bf16-storage", [packed, absmax, 64, "nf4", [32, 64], torch.float32] + ([torch.zeros(32, 64)] if out else [])
+    # rows of 96 in blocks of 64: blocks straddle rows (bitsandbytes' AVX-512 CPU kernel misreads them)
+    packed, absmax = quantized_4bit((6, 96), 64, "fp4", seed=3)
+    yield "blocks-across-rows", [packed, absmax, 64, "fp4", [6, 96], torch.float16] + (
+        [torch.zeros(6, 96, dtype=torch.float16)] if out else [])
 
 
 def _gemv_4bit(out: bool = False):
-    # N % 32 == 0 throughout: bitsandbytes 0.50.2's AVX512-BF16 CPU gemv aborts otherwise.
+    # N % 32 == 0 throughout, as bitsandbytes 0.50.2's AVX512-BF16 CPU gemv needs (tests/stock_cpu_paths.py).
     # Besides M = 1 (the gemv kernel), one case each for the op layer's batch (M <= 8) and mma paths.
     shapes = [(f"{dtype}-{qt}", dtype, qt, 64, 128, 64, (1, 1)) for dtype in FLOATS for qt in ("nf4", "fp4")]
     shapes += [("M4", torch.float16, "fp4", 32, 96, 32, (4,)), ("M10", torch.bfloat16, "nf4", 64, 64, 128, (2, 5))]
@@ -123,14 +127,17 @@ def _gemm_4bit():
             nested_absmax, q8, offset = nested(absmax)
             yield f"{dtype}-{qt}-nested-bias", [A, packed, [N, K], nested_absmax, bs, qt, bias, q8, signed_code(),
                                                 offset]  # fmt: skip
-    # M = 1 and M = 6 (the op layer's gemv and batch kernels; 15 rows above take the mma one),
-    # K % 16 != 0 (blocks start mid-row), a strided A and a bf16-stored weight.
+    # M = 1 and M = 6 (the op layer's gemv and batch kernels; 15 rows above take the mma one), blocks
+    # of 64 on rows of 96 (blocks straddle rows), K % 16 != 0 (blocks start mid-row), a strided A and
+    # a bf16-stored weight.
     packed, absmax = quantized_4bit((N, K), bs, "nf4", seed=7)
     nested_absmax, q8, offset = nested(absmax)
     yield "M1-bias", [randn(1, K, dtype=torch.float16, seed=10), packed, [N, K], absmax, bs, "nf4",
                       randn(N, dtype=torch.float16, seed=9), None, None, None]  # fmt: skip
     yield "M6-nested", [randn(2, 3, K, dtype=torch.bfloat16, seed=11), packed, [N, K], nested_absmax, bs, "nf4", None,
                         q8, signed_code(), offset]  # fmt: skip
+    packed, absmax = quantized_4bit((N, K), 64, "fp4", seed=7)
+    yield "blocks-across-rows", [randn(2, K, seed=16), packed, [N, K], absmax, 64, "fp4", None, None, None, None]
     packed33, absmax33 = quantized_4bit((7, 33), 64, "fp4", seed=12)
     yield "K33", [randn(4, 33, seed=13), packed33, [7, 33], absmax33, 64, "fp4", None, None, None, None]
     packed, absmax = quantized_4bit((64, 128), 64, "nf4", storage=torch.bfloat16, seed=14)

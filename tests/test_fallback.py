@@ -1,9 +1,16 @@
-"""The CPU-transfer fallback returns exactly what bitsandbytes' CPU ops return.
+"""The CPU-transfer fallback returns what bitsandbytes' CPU ops return, and the docs/semantics.md
+result where those depend on the CPU.
 
 Every schema is called through `op.redispatch(DispatchKeySet(MPS), ...)` on CPU tensors, which
-reaches bnb_mps' MPS kernel (the fallback tier, forced with BNB_MPS_EXECUTOR=cpu), and compared
-with the stock op on copies of the same inputs, including every in-place update (parameters,
-states, absmax, `out`).
+reaches bnb_mps' MPS kernel (the fallback tier, forced with BNB_MPS_EXECUTOR=cpu), and compared,
+including every in-place update (parameters, states, absmax, `out`), with what it must return on
+copies of the same inputs:
+- bitsandbytes' own CPU op, bit for bit, for the ops whose CPU result is the same on every CPU;
+- for the 4-bit dequantize and products, whose stock CPU kernels give other (wrong) results on CPUs
+  with AVX-512 (tests/stock_cpu_paths.py), the docs/semantics.md weight (tests/spec_reference.py)
+  and bitsandbytes' composition of it (dequantized to A's dtype, then torch's linear), bit for bit.
+The ops whose stock CPU kernels depend on the CPU are also run with those kernels replaced by
+models of their AVX-512 / AVX512-BF16 paths, so that the comparisons are seen to hold on such CPUs.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 import op_inputs
+import reference_matmul_4bit as R
+import spec_reference as ref
+import stock_cpu_paths
 from bnb_mps import registration
 
 pytestmark = pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning")
@@ -29,6 +39,11 @@ def cpu_round_trip(fresh_tier_selection):
 ALL = list(registration.SCHEMAS)
 # bitsandbytes 0.50.2 has no CPU implementation of these; the fallback composes them (below).
 NO_STOCK_CPU = {"dequantize_blockwise.out", "dequantize_4bit.out", "gemv_4bit.out", "int8_double_quant"}
+# Their stock CPU results depend on the CPU's instruction set: compared with the docs/semantics.md result.
+BY_REFERENCE = {"dequantize_4bit", "gemv_4bit", "gemm_4bit"}
+# Served by (or through) the stock CPU kernels that tests/stock_cpu_paths.py models.
+ON_MODELLED_PATHS = {"dequantize_4bit", "dequantize_4bit.out", "gemv_4bit", "gemv_4bit.out", "gemm_4bit",
+                     "int8_linear_matmul", "int8_scaled_mm", "int8_mixed_scaled_mm"}  # fmt: skip
 
 
 def packet(name):
@@ -51,6 +66,18 @@ def assert_identical(got, want, what):
         assert got == want, what
 
 
+def expected(name, args):
+    """What the fallback must return for schema `name` (and leave in `args`, updated in place)."""
+    base = name.removesuffix(".out")
+    if base not in BY_REFERENCE:
+        return stock(name, args)
+    if name.endswith(".out"):
+        *inputs, out = args
+        out.copy_(reference(base, inputs))
+        return None
+    return reference(base, args)
+
+
 def stock(name, args):
     """What bitsandbytes' own CPU path gives (composed for the schemas it lacks)."""
     if name.endswith(".out"):
@@ -61,6 +88,20 @@ def stock(name, args):
     if name == "int8_double_quant":
         return int8_double_quant_reference(*args)
     return packet(name)(*args)
+
+
+def reference(name, args):
+    """docs/semantics.md's 4-bit weight (float32), then as bitsandbytes composes the products:
+    converted to A's dtype, then torch's linear."""
+    if name == "dequantize_4bit":
+        A, absmax, blocksize, quant_type, shape, dtype = args
+        return ref.dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype)
+    if name == "gemv_4bit":
+        A, B, shapeB, absmax, code, blocksize = args
+        return R.dequantize_then_linear(A, R.dequantized_weight(B, shapeB, blocksize, code, absmax))
+    A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset = args
+    W = R.dequantized_weight(B, shapeB, blocksize, quant_type, absmax, absmax_8bit, absmax_code, absmax_offset)
+    return R.dequantize_then_linear(A, W, bias)
 
 
 def int8_double_quant_reference(A, threshold):
@@ -78,21 +119,60 @@ def int8_double_quant_reference(A, threshold):
 
 
 CASES = [(name, label) for name in ALL for label, _ in op_inputs.cases(name)]
+MODELLED_CASES = [(name, label) for name, label in CASES if name in ON_MODELLED_PATHS]
 
 
-@pytest.mark.parametrize("name,label", CASES, ids=[f"{n}-{l}" for n, l in CASES])
-def test_redispatch_matches_stock_cpu(name, label):
+def check_round_trip(name, label):
     args = dict(op_inputs.cases(name))[label]
     mine = copy.deepcopy(args)
     theirs = copy.deepcopy(args)
     got = packet(name).redispatch(MPS, *mine)
-    want = stock(name, theirs)
+    want = expected(name, theirs)
     assert_identical(got, want, f"{name} result")
     for i, (m, t) in enumerate(zip(mine, theirs)):  # in-place updates and untouched inputs alike
         if isinstance(t, torch.Tensor):
             assert_identical(m, t, f"{name} argument {i} after the call")
     if name.startswith("optimizer_update"):  # the call did update the parameter
         assert not torch.equal(mine[2], args[2])
+
+
+@pytest.mark.parametrize("name,label", CASES, ids=[f"{n}-{l}" for n, l in CASES])
+def test_round_trip_result_and_updates(name, label):
+    check_round_trip(name, label)
+
+
+@pytest.mark.parametrize("name,label", MODELLED_CASES, ids=[f"{n}-{l}" for n, l in MODELLED_CASES])
+def test_round_trip_with_bitsandbytes_avx512_cpu_kernels(name, label):
+    """As on a CPU with AVX-512 and AVX512-BF16, whose stock CPU kernels differ (modelled)."""
+    with stock_cpu_paths.avx512_cpu():
+        check_round_trip(name, label)
+
+
+def test_modelled_avx512_kernels_give_other_results_than_docs_semantics():
+    """The models give the wrong results bitsandbytes' AVX-512 kernels give, so the test above can
+    tell a fallback that used them; and the gemv model is right on bitsandbytes' own CPU layout
+    (it reads the weight as the kernel does)."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu, quantize_4bit
+
+    N, K, bs = 64, 128, 64
+    W = op_inputs.randn(N, K, seed=1)
+    packed, state = quantize_4bit(W, blocksize=bs, quant_type="nf4", compress_statistics=False)
+    A = op_inputs.randn(3, K, dtype=torch.bfloat16, seed=2)
+    Wq = R.dequantized_weight(packed, [N, K], bs, "nf4", state.absmax)
+    want, S = R.matmul(A, Wq), R.magnitude(A, Wq)
+    with stock_cpu_paths.avx512_cpu():
+        got = torch.ops.bitsandbytes.gemv_4bit(A, packed, [N, K], state.absmax, state.code, bs)
+        assert R.max_abs(R.as_f64(got) - want) > 0.5 * R.max_abs(want)  # the standard layout, misread
+        cpu_packed, cpu_state = _convert_weight_packed_for_cpu(packed.clone(), copy.deepcopy(state))
+        got = torch.ops.bitsandbytes.gemv_4bit(A, cpu_packed, [N, K], cpu_state.absmax, state.code, bs)
+        # bfloat16 weights, scales and output: within a few bfloat16 ulps of each sum's magnitude
+        assert (abs(R.as_f64(got) - want) <= 4 * R.ulp(S, torch.bfloat16)).all()
+
+        # dequantize_4bit: rows of 96 in blocks of 64 (blocks straddle rows) misread; whole blocks not
+        for bs, right in ((64, False), (32, True)):
+            packed, absmax = op_inputs.quantized_4bit((6, 96), bs, "nf4")
+            got = torch.ops.bitsandbytes.dequantize_4bit(packed, absmax, bs, "nf4", [6, 96], torch.float32)
+            assert torch.equal(got, ref.dequantize_4bit(packed, absmax, bs, "nf4", (6, 96), torch.float32)) == right
 
 
 def test_every_schema_has_cases():
@@ -147,7 +227,7 @@ def test_in_place_updates_are_written_back(monkeypatch, name):
     label, args = next(op_inputs.cases(name))
     mine, theirs = copy.deepcopy(args), copy.deepcopy(args)
     cpu.run(name, mine)
-    stock(name, theirs)
+    expected(name, theirs)
     for i, (m, t) in enumerate(zip(mine, theirs)):
         if isinstance(t, torch.Tensor):
             assert_identical(m, t, f"{name} argument {i}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -195,9 +196,12 @@ def test_unknown_schema_is_left_to_bitsandbytes_and_reported():
         lib._destroy()
 
 
-def test_changed_schema_is_handed_back_to_bitsandbytes_on_first_call(restore_registration, monkeypatch):
+@pytest.mark.parametrize("stock_cpu", ["this CPU", "AVX-512 model"])
+def test_changed_schema_is_handed_back_to_bitsandbytes_on_first_call(restore_registration, monkeypatch, stock_cpu):
     """A bitsandbytes release whose gemv_4bit takes another argument: simulated by bnb_mps
-    expecting one more. The first call hands the op back; bitsandbytes' kernel answers it."""
+    expecting one more. The first call hands the op back; bitsandbytes' kernel for mps answers it
+    (its pure-PyTorch one here: the weight dequantized to A's dtype, then torch's linear), whatever
+    bitsandbytes' CPU kernels are (also with those of a CPU with AVX-512, tests/stock_cpu_paths.py)."""
     bnb_mps.unregister()
     params = registration.SCHEMAS["gemv_4bit"] + ("new",)
     monkeypatch.setitem(registration.SCHEMAS, "gemv_4bit", params)
@@ -207,10 +211,15 @@ def test_changed_schema_is_handed_back_to_bitsandbytes_on_first_call(restore_reg
     assert "changed" in bnb_mps.backend_info()["gemv_4bit"]["reason"]
 
     import op_inputs
+    import reference_matmul_4bit as R
+    import stock_cpu_paths
 
     args = next(op_inputs.cases("gemv_4bit"))[1]
-    got = torch.ops.bitsandbytes.gemv_4bit.default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.MPS), *args)
-    assert torch.equal(got, torch.ops.bitsandbytes.gemv_4bit(*args))
+    with stock_cpu_paths.avx512_cpu() if stock_cpu != "this CPU" else contextlib.nullcontext():
+        got = torch.ops.bitsandbytes.gemv_4bit.default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.MPS),
+                                                                  *args)  # fmt: skip
+    A, B, shapeB, absmax, code, blocksize = args
+    assert torch.equal(got, R.dequantize_then_linear(A, R.dequantized_weight(B, shapeB, blocksize, code, absmax)))
     assert not has_mps_kernel("gemv_4bit") and has_mps_kernel("gemm_4bit")
     assert "gemv_4bit" not in registration.registered("MPS")
     assert "changed" in registration.skipped()["gemv_4bit"]

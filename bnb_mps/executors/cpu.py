@@ -2,10 +2,13 @@
 
 Works per op, not per kernel: copy the op's tensor arguments to the CPU, run bitsandbytes' own
 CPU implementation of the same schema, copy the results back to the caller's device, and write
-in-place updates (optimizer states, `out=` tensors) back into the caller's tensors. Where
-bitsandbytes has no CPU implementation of a schema, the result is composed from ops it does have:
-an `.out` overload runs its functional form then copies into `out`; other schemas use the
-composition the op layer registers (`OpDef.composite`).
+in-place updates (optimizer states, `out=` tensors) back into the caller's tensors.
+
+Where the op layer registers a composition (`OpDef.composite`), that runs instead: for schemas
+bitsandbytes has no CPU implementation of, and for those whose CPU implementation gives results
+that depend on the CPU's instruction set (the 4-bit dequantize and products, see
+bnb_mps/ops/fourbit.py and matmul_4bit.py). An `.out` overload without either runs its functional
+form (composition included) then copies into `out`.
 """
 
 from __future__ import annotations
@@ -46,17 +49,18 @@ def _device_of(args) -> torch.device:
 
 
 def cpu_call(name: str, args: list):
-    """Run schema `name` on CPU arguments with bitsandbytes' CPU implementation (or a composition)."""
+    """Run schema `name` on CPU arguments: the op layer's composition if it has one, else
+    bitsandbytes' CPU implementation."""
+    composite = OPS[name].composite
+    if composite is not None:
+        return composite(*args)
     if _has_cpu_kernel(name):
         return op_packet(name)(*args)
     if name.endswith(".out"):
         *inputs, out = args
-        out.copy_(op_packet(name.removesuffix(".out"))(*inputs))
+        out.copy_(cpu_call(name.removesuffix(".out"), inputs))
         return None
-    composite = OPS[name].composite
-    if composite is None:
-        raise NotImplementedError(f"bitsandbytes has no CPU implementation of {name} and bnb_mps no composition")
-    return composite(*args)
+    raise NotImplementedError(f"bitsandbytes has no CPU implementation of {name} and bnb_mps no composition")
 
 
 def run(name: str, args: list):

@@ -14,7 +14,7 @@ from ..kernel_args import uint32
 from . import validation as v
 from .blockwise import quantize_geometry
 from .launch import DTYPE_NAMES, aligned, check_size, flat, into
-from .registry import checks, kernel
+from .registry import checks, composite, kernel
 
 # Packed 4-bit data may be stored in any of these dtypes (Params4bit's quant_storage); it is read as bytes.
 STORAGE_DTYPES = (
@@ -131,3 +131,20 @@ def dequantize_4bit(executor, A, absmax, blocksize, quant_type, shape, dtype):
 def dequantize_4bit_out(executor, A, absmax, blocksize, quant_type, shape, dtype, out) -> None:
     check_size("dequantize_4bit.out", "shape", math.prod(shape))
     into(out, lambda target: _dequantize_into(executor, target, A, absmax, blocksize, quant_type))
+
+
+# -- the CPU fallback's composition ------------------------------------------------------------------
+
+
+@composite("dequantize_4bit")
+def dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
+    """bitsandbytes' CPU dequantize_4bit, asked for one flat run of prod(shape) values, then reshaped.
+
+    Asked for `shape` itself, bitsandbytes 0.50.2 takes a vectorised path on CPUs with AVX-512F
+    when the last dimension is a multiple of 16, and that path looks up each row's block scales as
+    if rows started new blocks: wrong when a row's length is not a multiple of the block size
+    (blocks are flat runs, docs/semantics.md section 3). With a single row its every path indexes
+    the blocks as docs/semantics.md does, so the result is the same on every CPU.
+    """
+    out = torch.ops.bitsandbytes.dequantize_4bit.default(A, absmax, blocksize, quant_type, [math.prod(shape)], dtype)
+    return out.reshape(tuple(shape))

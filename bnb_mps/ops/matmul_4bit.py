@@ -10,9 +10,9 @@ import torch
 
 from ..kernel_args import uint32
 from . import validation as v
-from .fourbit import packed_bytes
+from .fourbit import dequantize_4bit_cpu, packed_bytes
 from .launch import DTYPE_NAMES, VECTOR_ALIGN, aligned, check_size, flat, into, is_aligned
-from .registry import checks, kernel
+from .registry import checks, composite, kernel
 
 # What bitsandbytes' gemv/gemm schemas accept for B (read as bytes).
 GEMM_STORAGE_DTYPES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
@@ -261,3 +261,28 @@ def gemv_4bit_out(executor, A, B, shapeB, absmax, code, blocksize, out) -> None:
         fill(out)
     else:
         into(out, fill)
+
+
+# -- the CPU fallback's composition ------------------------------------------------------------------
+#
+# bitsandbytes' pure-PyTorch path (its default kernels): the weight dequantized to A's dtype, then
+# torch's linear. Not bitsandbytes' CPU kernels: on CPUs with AVX512-BF16, bitsandbytes 0.50.2
+# registers a CPU gemv_4bit that reads the weight in its own packed CPU layout (the one Linear4bit
+# converts weights to on such CPUs), so it returns wrong values for the standard layout these ops
+# take; and its CPU gemm_4bit dequantizes through the path dequantize_4bit_cpu avoids.
+
+
+@composite("gemv_4bit")
+def gemv_4bit_cpu(A, B, shapeB, absmax, code, blocksize):
+    quant_type = "fp4" if code[1] > 0 else "nf4"  # as bitsandbytes' default kernel tells them apart
+    return torch.nn.functional.linear(A, dequantize_4bit_cpu(B, absmax, blocksize, quant_type, shapeB, A.dtype))
+
+
+@composite("gemm_4bit")
+def gemm_4bit_cpu(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
+                  absmax_offset=None):  # fmt: skip
+    if absmax_8bit is not None:  # nested: scale_b = absmax_code[absmax_8bit[b]] * absmax[b // 256] + offset
+        codes = torch.ops.bitsandbytes.dequantize_blockwise.default
+        absmax = codes(absmax_8bit, absmax, absmax_code, 256, torch.float32) + absmax_offset
+    W = dequantize_4bit_cpu(B, absmax, blocksize, quant_type, shapeB, A.dtype)
+    return torch.nn.functional.linear(A, W, bias)

@@ -24,7 +24,8 @@ class OpDef:
     name: str
     check: Callable[..., None]
     kernel: Optional[Callable[..., Any]] = None
-    #: for the CPU-transfer fallback where bitsandbytes has no CPU implementation of this schema
+    #: for the CPU-transfer fallback, in place of bitsandbytes' CPU implementation: where it has
+    #: none, or where its result depends on the CPU's instruction set
     composite: Optional[Callable[..., Any]] = None
     #: the schema's arguments (name, default), cached by `argument_spec`
     spec: Optional[tuple] = None
@@ -65,7 +66,8 @@ def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def composite(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Attach a CPU composition of an op from ops bitsandbytes does implement on CPU."""
+    """Attach a CPU composition of an op (for the CPU-transfer fallback) from bitsandbytes ops
+    whose CPU results are the same on every CPU."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         OPS[name].composite = fn
