@@ -103,7 +103,7 @@ def warn_if_fast_math(macos: Optional[tuple], torch_ver: tuple, environ: Optiona
         f">= 3.2: torch >= {PINNED_MATH_TORCH[0]}.{PINNED_MATH_TORCH[1]} on macOS >= {PINNED_MATH_MACOS[0]}). "
         f"Fast math may change the float results of the matmul, dequantizing matmul and optimizer kernels; "
         f"the quantization kernels' codes do not, except where a NaN or infinity arises (NaN or infinite "
-        f"inputs, int8 rows of zeros). For IEEE results, start Python without {FAST_MATH_ENV} (or with it "
+        f"inputs). For IEEE results, start Python without {FAST_MATH_ENV} (or with it "
         f"set to 0): torch reads it once per process.",
         FastMathWarning,
         stacklevel=2,
