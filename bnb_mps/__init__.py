@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 __version__ = "0.1.0"
-__all__ = ["register", "unregister", "backend_info", "__version__"]
+__all__ = ["register", "unregister", "backend_info", "verify", "__version__"]
 
 _logger = logging.getLogger("bnb_mps")
 
@@ -64,6 +64,40 @@ def backend_info() -> dict[str, dict[str, str]]:
             tier, reason = "bitsandbytes", "bnb_mps is not registered (bnb_mps.register() was undone)"
         info[name] = {"tier": tier, "reason": reason}
     return info
+
+
+def verify(tier: str | None = None, *, refresh: bool = False) -> dict:
+    """Verify bnb_mps' kernel families on a tier of this machine: {family: Verdict}.
+
+    Each family runs once on small fixed inputs and is compared with the CPU round trip of the
+    same ops (bnb_mps.ops.verify). `tier`: "native", "shader" or "emulated" (runs on CPU tensors,
+    on any machine); None: the tier that serves ops here. Verdicts come from this process or the
+    on-disk cache unless `refresh`, which runs every family again and rewrites the cache. A
+    `Verdict` has `passed`, `seconds`, and for a failure the first failing `case` and its `error`.
+    """
+    import torch
+
+    if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
+        import bitsandbytes  # noqa: F401  (defines the schemas)
+    from . import executors
+    from .ops import routing
+    from .ops import verify as verification
+
+    if tier is not None and not isinstance(tier, str):
+        raise TypeError(f"verify: tier must be a str or None, got {type(tier).__name__}")
+    sel = executors.selection()
+    if tier is None:
+        if sel.executor is None:
+            raise ValueError(f"verify: no kernel tier serves ops here ({sel.reason}); pass tier='emulated' to verify "
+                             "the kernels under the emulator")  # fmt: skip
+        tier = sel.tier
+    elif tier not in ("native", "shader", "emulated"):
+        raise ValueError(f"verify: tier must be 'native', 'shader', 'emulated' or None, got {tier!r}")
+    executor = sel.executor if sel.tier == tier and sel.executor is not None else executors.load_tier(tier)
+    verdicts = {name: verification.verdict(name, tier, executor, refresh=refresh) for name in verification.FAMILIES}
+    if refresh:
+        routing.forget()  # routes follow the new verdicts
+    return verdicts
 
 
 _entry_failed = False

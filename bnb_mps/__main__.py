@@ -80,12 +80,72 @@ def diagnostics() -> str:
     return "\n".join(lines)
 
 
+def verify_table(verdicts: dict) -> list[str]:
+    """One row per kernel family: verdict, time, launches and bytes; each failure's case below."""
+    out = [f"{'family':<18}  {'verdict':<7}  {'seconds':>7}  {'launches':>8}  {'bytes':>9}  from",
+           f"{'-' * 18}  {'-' * 7}  {'-' * 7}  {'-' * 8}  {'-' * 9}  ----"]  # fmt: skip
+    for name, v in verdicts.items():
+        out.append(f"{name:<18}  {'passed' if v.passed else 'FAILED':<7}  {v.seconds:7.2f}  {v.launches:8d}  "
+                   f"{v.bytes:9d}  {'cache' if v.cached else 'run now'}")  # fmt: skip
+    for name, v in verdicts.items():
+        if not v.passed:
+            out += [""] + textwrap.wrap(f"{name}: {v.describe()}", width=100, subsequent_indent="    ",
+                                        break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    return out
+
+
+def verify_command(tier, refresh: bool = True) -> int:
+    import time
+
+    import bnb_mps
+    from bnb_mps import executors
+    from bnb_mps.ops import verify as verification
+
+    _version("bitsandbytes")  # defines the schemas
+    if tier is None:
+        sel = executors.selection()
+        tier = sel.tier if sel.executor is not None else "emulated"
+        if sel.executor is None:
+            print(f"No GPU tier serves ops here ({sel.reason}); verifying the kernels under the emulator.\n")
+    m = verification.machine()
+    print(f"Verifying bnb_mps' {tier} kernels on {m['gpu']}, {m['os']}, torch {m['torch']}, "
+          f"bitsandbytes {m['bitsandbytes']} (kernels {bnb_mps_source_hash()})\n")
+    start = time.perf_counter()
+    try:
+        verdicts = bnb_mps.verify(tier, refresh=refresh)
+    except Exception as e:  # e.g. the tier does not load here
+        print(f"cannot verify the {tier} tier: {type(e).__name__}: {e}")
+        return 1
+    print("\n".join(verify_table(verdicts)))
+    print(f"\n{sum(v.passed for v in verdicts.values())} of {len(verdicts)} families passed in "
+          f"{time.perf_counter() - start:.2f} s; cache: {verification.cache_path()}")
+    return 0 if all(v.passed for v in verdicts.values()) else 1
+
+
+def bnb_mps_source_hash() -> str:
+    from bnb_mps.msl import source
+
+    try:
+        return source.source_hash()
+    except (OSError, ValueError) as e:
+        return f"unreadable: {e}"
+
+
 def main(argv=None) -> int:
     # the console script `bnb-mps` and `python -m bnb_mps` share this entry: name the one the user ran
     prog = "bnb-mps" if Path(sys.argv[0]).stem == "bnb-mps" else "python -m bnb_mps"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
-    commands = parser.add_subparsers(dest="command", metavar="{info,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{info,verify,demo}")
     commands.add_parser("info", help="which tier serves each bitsandbytes op here (the default)")
+    verify_parser = commands.add_parser(
+        "verify", help="verify every kernel family on this machine now and print the table",
+        description="Runs every kernel family once on small fixed inputs on a kernel tier and compares it with "
+        "the CPU round trip (what bnb-mps does at first use, cached per machine). Exit status 1 if a family fails.",
+    )  # fmt: skip
+    verify_parser.add_argument("--tier", choices=("native", "shader", "emulated"),
+                               help="the tier to verify (default: the one serving ops here, else emulated)")
+    verify_parser.add_argument("--cached", action="store_true",
+                               help="take verdicts from the cache where it has them (default: run every family now)")
     demo_parser = commands.add_parser(
         "demo", help="QLoRA fine-tuning of a small Llama, end to end (needs transformers, peft, matplotlib)",
         description="QLoRA fine-tuning of a small Llama built from a config (nothing downloaded): 4-bit NF4 "
@@ -98,6 +158,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
+    if args.command == "verify":
+        return verify_command(args.tier, refresh=not args.cached)
     print(diagnostics())
     return 0
 

@@ -422,7 +422,8 @@ def int8_double_quant_cpu(A: torch.Tensor, threshold: float = 0.0):
 
     Rows come from `int8_vectorwise_quant` (outlier columns zeroed); columns are scaled by their
     absmax over non-outlier elements (|A| >= threshold are outliers when threshold > 0), with
-    outliers zeroed before rounding half to even.
+    outliers zeroed before rounding half to even: CAt = round(float(A) * fl32(127 / col_stats)),
+    as docs/semantics.md section 6 (and the kernels) compute it; a column whose maximum is 0 gives 0.
     """
     quant_row, row_stats, outlier_cols = torch.ops.bitsandbytes.int8_vectorwise_quant.default(A, threshold)
     absA = A.abs().reshape(-1, A.shape[-1])
@@ -433,5 +434,6 @@ def int8_double_quant_cpu(A: torch.Tensor, threshold: float = 0.0):
     col_stats = absA.amax(dim=0).float()
     if outliers is not None:
         A = A.masked_fill(outliers.reshape(A.shape), 0.0)
-    quant_col = torch.round(A.mul(127.0) / col_stats.unsqueeze(0)).to(torch.int8)
+    scaled = A.reshape(-1, A.shape[-1]).float() * (127.0 / col_stats).unsqueeze(0)
+    quant_col = torch.round(scaled).nan_to_num(0.0).clamp(-127, 127).to(torch.int8).reshape(A.shape)
     return quant_row, quant_col, row_stats, col_stats, outlier_cols

@@ -12,6 +12,10 @@ In order of preference:
 
 Installing bnb_mps therefore never makes an op slower than stock bitsandbytes.
 
+A kernel tier serves an op only once the op's kernel families passed their first-use verification
+on this machine (`bnb_mps.ops.verify`); a family that failed sends its ops to route 2 or 3, with the
+failing case as the reason.
+
 A route is also changed at run time: when the GPU tier refuses one of an op's launches because the
 kernel's pipeline allows fewer threads per threadgroup than the op launches (PipelineLimitError),
 the op takes route 2 or 3 from that call on (`refuse`).
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import executors
+from . import verify
 from .registry import NAMESPACE, OPS
 
 #: tiers an op can be served by, fastest first
@@ -63,7 +68,11 @@ def bitsandbytes_mps_implementation(name: str) -> str | None:
 def _compute(name: str, sel) -> Route:
     op = OPS[name]
     if op.kernel is not None and sel.executor is not None:
-        return Route(sel.tier, sel.reason)
+        # First use on this tier: the op's kernel families prove themselves here (bnb_mps.ops.verify).
+        failed = verify.failure(name, sel.tier, sel.executor)
+        if failed is None:
+            return Route(sel.tier, sel.reason)
+        return _past_our_kernels(name, failed)
     if sel.forced and sel.tier == "cpu":
         return Route("cpu", sel.reason)
     why = "no Metal kernel for this op yet" if op.kernel is None else f"no GPU tier: {sel.reason}"
@@ -87,9 +96,17 @@ def route(name: str) -> Route:
             _routes.clear()
             _selection = sel
         found = _routes.get(name)
-        if found is None:
-            found = _routes[name] = _compute(name, sel)
-        return found
+    if found is None:
+        computed = _compute(name, sel)  # outside the lock: it may verify a kernel family (seconds)
+        with _lock:
+            found = _routes.setdefault(name, computed) if sel is _selection else computed
+    return found
+
+
+def forget() -> None:
+    """Drop the cached routes (after verification verdicts changed); they are computed again."""
+    with _lock:
+        _routes.clear()
 
 
 def refuse(name: str, limit: executors.PipelineLimitError) -> Route:
