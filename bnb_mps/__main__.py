@@ -94,7 +94,9 @@ def verify_table(verdicts: dict) -> list[str]:
     return out
 
 
-def verify_command(tier, refresh: bool = True) -> int:
+def verify_command(tier, refresh: bool = True, json_path=None) -> int:
+    import dataclasses
+    import json
     import time
 
     import bnb_mps
@@ -116,9 +118,15 @@ def verify_command(tier, refresh: bool = True) -> int:
     except Exception as e:  # e.g. the tier does not load here
         print(f"cannot verify the {tier} tier: {type(e).__name__}: {e}")
         return 1
+    seconds = time.perf_counter() - start
     print("\n".join(verify_table(verdicts)))
     print(f"\n{sum(v.passed for v in verdicts.values())} of {len(verdicts)} families passed in "
-          f"{time.perf_counter() - start:.2f} s; cache: {verification.cache_path()}")
+          f"{seconds:.2f} s; cache: {verification.cache_path()}")
+    if json_path:
+        Path(json_path).write_text(json.dumps({
+            "tier": tier, "machine": m, "kernels": bnb_mps_source_hash(), "refresh": refresh, "seconds": seconds,
+            "families": {name: dataclasses.asdict(v) for name, v in verdicts.items()},
+        }, indent=1) + "\n")  # fmt: skip
     return 0 if all(v.passed for v in verdicts.values()) else 1
 
 
@@ -146,6 +154,7 @@ def main(argv=None) -> int:
                                help="the tier to verify (default: the one serving ops here, else emulated)")
     verify_parser.add_argument("--cached", action="store_true",
                                help="take verdicts from the cache where it has them (default: run every family now)")
+    verify_parser.add_argument("--json", metavar="PATH", help="also write the verdicts and the time taken as JSON")
     demo_parser = commands.add_parser(
         "demo", help="QLoRA fine-tuning of a small Llama, end to end (needs transformers, peft, matplotlib)",
         description="QLoRA fine-tuning of a small Llama built from a config (nothing downloaded): 4-bit NF4 "
@@ -159,7 +168,7 @@ def main(argv=None) -> int:
     if args.command == "demo":
         return demo.main(args)
     if args.command == "verify":
-        return verify_command(args.tier, refresh=not args.cached)
+        return verify_command(args.tier, refresh=not args.cached, json_path=args.json)
     print(diagnostics())
     return 0
 

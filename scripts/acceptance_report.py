@@ -353,6 +353,25 @@ def benchmark_markdown(bench: Optional[dict[str, Any]]) -> str:
     return markdown_table(keys, [[c.get(k) for k in keys] for c in cases])
 
 
+def verification_markdown(v: dict[str, Any]) -> str:
+    """Each family's first-use verification with an empty cache (cold) and from the cache."""
+    cold, cached = v.get("cold"), v.get("cached")
+    if not cold or "families" not in cold:
+        return "(not run)" if not cold else f"(results {cold.get('error', 'incomplete')})"
+    rows = []
+    for name, c in cold["families"].items():
+        verdict = "passed" if c.get("passed") else f"FAILED in {c.get('case')!r}: {c.get('error')}"
+        rows.append([name, verdict, c.get("seconds"), c.get("launches"), c.get("bytes")])
+    lines = [f"Tier {cold.get('tier')}, kernels {cold.get('kernels')}.", "",
+             markdown_table(["family", "verdict", "seconds", "launches", "bytes"], rows), "",
+             f"Whole verification, cold (empty cache): {cold.get('seconds', 0):.3f} s."]  # fmt: skip
+    if cached and "seconds" in cached:
+        hits = sum(1 for c in cached.get("families", {}).values() if c.get("cached"))
+        lines.append(f"Whole verification, cached: {cached['seconds']:.3f} s ({hits} of {len(cached.get('families', {}))} "
+                     "families read from the cache).")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _counts(b: dict[str, Any]) -> str:
     if not b:
         return "not run"
@@ -437,6 +456,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             out += [f"- {where}: `{msg}`" for where, msg in failures[:40]]
             if len(failures) > 40:
                 out.append(f"- ... and {len(failures) - 40} more (see the pytest log)")
+    out += ["", "## Kernel verification (python -m bnb_mps verify)", "", verification_markdown(r.get("verification", {}))]
     out += ["", "## Benchmarks", ""]
     for name, bench in r["benchmarks"].items():
         out += [f"### {name}", "", bench["note"] if bench.get("note") else benchmark_markdown(bench.get("data")), ""]
@@ -487,6 +507,8 @@ def build_report(work: Path, dry_run: bool, repo: Path = REPO) -> dict[str, Any]
         "families": families,
         "tests": group_tests(tests, families) if tests else None,
         "benchmarks": benchmarks,
+        "verification": {"cold": read_benchmark(work / "verify_cold.json"),
+                         "cached": read_benchmark(work / "verify_cached.json")},
     }
     report["verdict"] = verdict(report)
     return report

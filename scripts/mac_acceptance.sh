@@ -129,6 +129,14 @@ step "test suite" "$WORK/pytest.log" "$NOTE" -- \
   env BNB_MPS_ACCEPTANCE=1 "$VPY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -o junit_family=xunit2 \
     --junitxml "$WORK/junit.xml" "${TESTS[@]}" || FAILED=1
 
+# First-use verification (bnb_mps.ops.verify) as a user's first process meets it, with an empty
+# cache, then as every later process does, from the cache.
+step "kernel verification (cold)" "$WORK/verify_cold.log" "" -- \
+  env BNB_MPS_CACHE_DIR="$WORK/verify-cache" "$VPY" -m bnb_mps verify --json "$WORK/verify_cold.json" || FAILED=1
+step "kernel verification (cached)" "$WORK/verify_cached.log" "" -- \
+  env BNB_MPS_CACHE_DIR="$WORK/verify-cache" "$VPY" -m bnb_mps verify --cached --json "$WORK/verify_cached.json" \
+  || FAILED=1
+
 step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
   "$VPY" "$REPO/scripts/bench_kernels.py" --short --json "$WORK/bench_kernels.json" \
     --chart "$OUT/bench_kernels.png" || FAILED=1

@@ -135,9 +135,15 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     md = (tmp_path / "acceptance-report.md").read_text()
     data = json.loads((tmp_path / "acceptance-report.json").read_text())
     assert data["dry_run"] and data["verdict"].startswith("DRY RUN passed")
-    assert [s["name"] for s in data["steps"]][:4] == ["create the venv and install bnb-mps", "python -m bnb_mps",
-                                                      "test suite", "kernel benchmarks (short)"]
-    assert all(s["status"] == 0 for s in data["steps"][:4])
+    assert [s["name"] for s in data["steps"]][:6] == ["create the venv and install bnb-mps", "python -m bnb_mps",
+                                                      "test suite", "kernel verification (cold)",
+                                                      "kernel verification (cached)", "kernel benchmarks (short)"]
+    assert all(s["status"] == 0 for s in data["steps"][:6])
+    # First-use verification, cold then from the cache (the emulated tier here: no GPU tier).
+    cold, cached = data["verification"]["cold"], data["verification"]["cached"]
+    assert cold["tier"] == "emulated" and all(f["passed"] and not f["cached"] for f in cold["families"].values())
+    assert all(f["cached"] for f in cached["families"].values()) and cached["seconds"] < cold["seconds"]
+    assert "## Kernel verification" in md and "Whole verification, cached" in md
     assert data["tests"]["totals"]["passed"] > 0 and data["tests"]["totals"]["failed"] == 0
     assert set(data["tests"]["gpu_families"]) >= {"blockwise_8bit", "nf4_fp4"}
     assert data["benchmarks"]["kernels (scripts/bench_kernels.py --short)"]["data"]["mode"] == "emulated"

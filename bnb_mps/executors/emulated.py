@@ -22,6 +22,7 @@ from .base import Dim3, ExecutorUnavailable, KernelArg
 
 class EmulatedExecutor:
     name = "emulated"
+    device_type = "cpu"  # where its tensors live (other devices' are staged: executors.StagedExecutor)
 
     def __init__(self) -> None:
         self.order = "forward"

@@ -35,6 +35,7 @@ BUILD_RECORD = "_native_build.json"
 
 class NativeExecutor:
     name = "native"
+    device_type = "mps"  # where its tensors live
 
     def __init__(self, library) -> None:
         self._library = library

@@ -682,12 +682,20 @@ def cache_path() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "bnb_mps") / "verify.json"
 
 
-def _read_cache() -> dict:
+_read_memo: dict[Path, dict] = {}  # cache file -> its content, read once per process
+
+
+def _read_cache(fresh: bool = False) -> dict:
+    path = cache_path()
+    if not fresh and path in _read_memo:
+        return _read_memo[path]
     try:
-        data = json.loads(cache_path().read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data = data if isinstance(data, dict) else {}
     except (OSError, ValueError):
-        return {}
+        data = {}
+    _read_memo[path] = data
+    return data
 
 
 def _write_cache(key: str, verdicts: dict[str, Verdict]) -> None:
@@ -695,7 +703,7 @@ def _write_cache(key: str, verdicts: dict[str, Verdict]) -> None:
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache()
+        data = dict(_read_cache(fresh=True))  # (another process may have added verdicts meanwhile)
         entry = data.setdefault(key, {})
         for name, v in verdicts.items():
             entry[name] = {k: val for k, val in asdict(v).items() if k != "cached"}
@@ -703,6 +711,7 @@ def _write_cache(key: str, verdicts: dict[str, Verdict]) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
+        _read_memo[path] = data
     except OSError as e:  # a read-only home: verify again next time
         logger.info("bnb_mps: cannot write the verification cache %s: %s", path, e)
 
@@ -788,4 +797,5 @@ def reset() -> None:
     global _warned
     with _lock:
         _verdicts.clear()
+        _read_memo.clear()
         _warned = False
