@@ -181,7 +181,7 @@ def test_every_schema_has_cases():
 
 def test_redispatch_reaches_bnb_mps(monkeypatch):
     """The redispatched call runs bnb_mps' glue, not some other kernel."""
-    from bnb_mps.executors import cpu
+    from bnb_mps.ops import cpu_round_trip as cpu
 
     seen = []
     real = cpu.run
@@ -210,7 +210,7 @@ def test_non_contiguous_input_gives_its_contiguous_result():
 
 def test_results_go_back_to_the_input_device(monkeypatch):
     """On mps the fallback returns results on mps; simulated with `meta` as the caller's device."""
-    from bnb_mps.executors import cpu
+    from bnb_mps.ops import cpu_round_trip as cpu
 
     monkeypatch.setattr(cpu, "_device_of", lambda args: torch.device("meta"))
     q, absmax = cpu.run("quantize_blockwise", [torch.randn(300), op_inputs.signed_code(), 256])
@@ -220,7 +220,7 @@ def test_results_go_back_to_the_input_device(monkeypatch):
 @pytest.mark.parametrize("name", ["optimizer_update_8bit_blockwise", "optimizer_update_32bit", "gemv_4bit.out"])
 def test_in_place_updates_are_written_back(monkeypatch, name):
     """When the op runs on copies (as it does for mps tensors), the caller's tensors get the updates."""
-    from bnb_mps.executors import cpu
+    from bnb_mps.ops import cpu_round_trip as cpu
 
     real = cpu._to
     monkeypatch.setattr(cpu, "_to", lambda x, d: x.clone() if isinstance(x, torch.Tensor) else real(x, d))

@@ -63,7 +63,7 @@ def test_kernel_path_on_meta(name, label):
         assert got is None
         return
     if name in NO_META_FAKE:
-        from bnb_mps.executors import cpu
+        from bnb_mps.ops import cpu_round_trip as cpu
 
         want = cpu.run(name, copy.deepcopy(dict(op_inputs.cases(name))[label]))
         assert describe(got) == describe(want, device="meta")

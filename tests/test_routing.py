@@ -23,7 +23,7 @@ import bnb_mps
 import op_inputs
 from bnb_mps import executors, ops, registration
 from bnb_mps.executors import ExecutorUnavailable, PipelineLimitError
-from bnb_mps.executors import cpu as cpu_fallback
+from bnb_mps.ops import cpu_round_trip as cpu_fallback
 from bnb_mps.testing import RecordingExecutor
 
 MPS = DispatchKeySet(DispatchKey.MPS)

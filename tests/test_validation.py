@@ -12,7 +12,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 import op_inputs
-from bnb_mps.executors import cpu
+from bnb_mps.ops import cpu_round_trip as cpu
 from bnb_mps.ops.validation import DtypeError
 
 MPS = DispatchKeySet(DispatchKey.MPS)

@@ -2,7 +2,7 @@
 
 Tiers, in order of preference: native (the built Objective-C++ library), shader (the same kernels through
 `torch.mps.compile_shader`), emulated (the Metal-on-CPU emulator; debugging and tests only, never
-picked by default), cpu (the op-level CPU-transfer fallback). `BNB_MPS_EXECUTOR` forces one.
+picked by default), cpu (the op-level CPU round trip, bnb_mps.ops.cpu_round_trip). `BNB_MPS_EXECUTOR` forces one.
 Tiers are loaded lazily, once per process, on the first op or `backend_info()` call. Which of
 them serves a given op (or whether bitsandbytes' own implementation does) is the op layer's
 choice: `bnb_mps.ops.routing`.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from .. import executors
-from ..executors import cpu as cpu_fallback
+from . import cpu_round_trip as cpu_fallback
 from . import blockwise, fourbit, int8, matmul_4bit, optim  # noqa: F401  (each declares its ops)
 from . import routing
 from .registry import OPS, OpDef, argument_spec, bind, op_packet

@@ -612,7 +612,7 @@ def run_family(family: Family, executor, device: str) -> Verdict:
     """Runs `family`'s cases with `executor` on `device` tensors (every launch first, then one
     synchronisation), then compares each with the CPU round trip. Never raises: a case that
     cannot run fails the family."""
-    from ..executors.cpu import cpu_call
+    from .cpu_round_trip import cpu_call
     from ..testing import RecordingExecutor
 
     start = time.perf_counter()

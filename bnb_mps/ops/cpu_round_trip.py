@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from ..ops.registry import OPS, op_packet
+from .registry import OPS, op_packet
 
 _CPU = torch.device("cpu")
 
