@@ -608,21 +608,32 @@ def _synchronize(device: str) -> None:
         module.synchronize()
 
 
+class _Counting:
+    """Forwards launches to an executor, counting them and the bytes of the tensors they bind."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+        self.launches = self.bytes = 0
+
+    def launch(self, kernel, *, grid, threadgroup, args) -> None:
+        self.launches += 1
+        self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+
 def run_family(family: Family, executor, device: str) -> Verdict:
     """Runs `family`'s cases with `executor` on `device` tensors (every launch first, then one
     synchronisation), then compares each with the CPU round trip. Never raises: a case that
     cannot run fails the family."""
     from .cpu_round_trip import cpu_call
-    from ..testing import RecordingExecutor
 
     start = time.perf_counter()
-    recorder = RecordingExecutor(executor)
+    recorder = _Counting(executor)
     label = None
 
     def verdict(passed: bool, error: Optional[str] = None) -> Verdict:
-        nbytes = sum(a.nbytes for _, _, _, args in recorder.launches for a in args if hasattr(a, "nbytes"))
         return Verdict(family.name, passed, time.perf_counter() - start, None if passed else label, error,
-                       len(recorder.launches), nbytes)  # fmt: skip
+                       recorder.launches, recorder.bytes)  # fmt: skip
 
     try:
         pending = []
