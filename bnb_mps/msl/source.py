@@ -26,7 +26,11 @@ KERNEL_DIR_ENV = "BNB_MPS_KERNEL_DIR"
 def kernel_dir() -> Path:
     """Where the `.metal` files are: $BNB_MPS_KERNEL_DIR when set, else inside an installed wheel,
     else in the source checkout."""
-    override = os.environ.get(KERNEL_DIR_ENV, "").strip()
+    return _kernel_dir(os.environ.get(KERNEL_DIR_ENV, "").strip())
+
+
+@functools.cache
+def _kernel_dir(override: str) -> Path:
     if override:
         path = Path(override).expanduser()
         if not path.is_dir() or not any(path.glob("*.metal")):
