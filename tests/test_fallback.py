@@ -16,6 +16,7 @@ models of their AVX-512 / AVX512-BF16 paths, so that the comparisons are seen to
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -231,3 +232,36 @@ def test_in_place_updates_are_written_back(monkeypatch, name):
     for i, (m, t) in enumerate(zip(mine, theirs)):
         if isinstance(t, torch.Tensor):
             assert_identical(m, t, f"{name} argument {i}")
+
+
+def int8_linear_matmul_float32_in_order(A, B):
+    """bitsandbytes' default CPU int8_linear_matmul (a float32 matmul, its path on CPUs without
+    AVX-512, Macs included) with the sums taken in order, as a BLAS may: not exact past 2^24."""
+    prods = A.reshape(-1, A.shape[-1]).float()[:, None, :] * B.float()[None, :, :]
+    acc = torch.zeros(prods.shape[:-1], dtype=torch.float32)
+    for k in range(prods.shape[-1]):  # (torch's own cumsum would accumulate in float64)
+        acc = acc + prods[..., k]
+    return acc.to(torch.int32).reshape(*A.shape[:-1], B.shape[0])
+
+
+def test_round_trip_int8_product_is_exact_on_every_cpu():
+    """K * 127^2 passes 2^24 at K = 1088: a float32 path loses the integer, the round trip must not."""
+    from bnb_mps.ops import cpu_round_trip as cpu
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.randint(-127, 128, (3, 1088), generator=g, dtype=torch.int8)
+    B = torch.randint(-127, 128, (5, 1088), generator=g, dtype=torch.int8)
+    A[0], B[0], B[1] = 127, 127, -127
+    want = (A.long() @ B.long().T).int()
+    lib = torch.library.Library("bitsandbytes", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl("int8_linear_matmul", int8_linear_matmul_float32_in_order, "CPU")
+        assert not torch.equal(torch.ops.bitsandbytes.int8_linear_matmul.default(A, B), want)  # the model is inexact
+        assert torch.equal(cpu.cpu_call("int8_linear_matmul", [A, B]), want)
+        out = torch.full((3, 5), -1, dtype=torch.int32)
+        cpu.cpu_call("int8_linear_matmul.out", [A, B, out])
+        assert torch.equal(out, want)
+    finally:
+        lib._destroy()

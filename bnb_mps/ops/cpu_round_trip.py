@@ -7,8 +7,9 @@ in-place updates (optimizer states, `out=` tensors) back into the caller's tenso
 Where the op layer registers a composition (`OpDef.composite`), that runs instead: for schemas
 bitsandbytes has no CPU implementation of, and for those whose CPU implementation gives results
 that depend on the CPU's instruction set (the 4-bit dequantize and products, see
-bnb_mps/ops/fourbit.py and matmul_4bit.py). An `.out` overload without either runs its functional
-form (composition included) then copies into `out`.
+bnb_mps/ops/fourbit.py and matmul_4bit.py; the int8 product, exact only with AVX-512, see
+bnb_mps/ops/int8.py). An `.out` overload whose functional form has a composition, or that
+bitsandbytes has no CPU implementation of, runs that functional form then copies into `out`.
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ def cpu_call(name: str, args: list):
     composite = OPS[name].composite
     if composite is not None:
         return composite(*args)
+    base = name.removesuffix(".out")
+    if base != name and (OPS[base].composite is not None or not _has_cpu_kernel(name)):
+        *inputs, out = args  # the functional form (its composition, if any), copied into `out`
+        out.copy_(cpu_call(base, inputs))
+        return None
     if _has_cpu_kernel(name):
         return op_packet(name)(*args)
-    if name.endswith(".out"):
-        *inputs, out = args
-        out.copy_(cpu_call(name.removesuffix(".out"), inputs))
-        return None
     raise NotImplementedError(f"bitsandbytes has no CPU implementation of {name} and bnb_mps no composition")
 
 

@@ -413,7 +413,18 @@ def int8_mixed_scaled_mm_kernel(executor, A, CA, CB, SCA, SCB, outlier_cols=None
     return _scaled_mm(executor, CA, CB, SCA, SCB, bias, A.dtype, mixed=(aligned(A), cols, subA)), subA
 
 
-# -- the CPU fallback's composition ------------------------------------------------------------------
+# -- the CPU fallback's compositions -----------------------------------------------------------------
+
+
+@composite("int8_linear_matmul")
+def int8_linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """The exact int32 product on every CPU. bitsandbytes 0.50.2's CPU path multiplies in float32
+    where the CPU lacks AVX-512 (Macs included), which is not exact once partial sums pass 2^24
+    (docs/semantics.md section 6); float64 products and sums of int8 values are exact (every
+    partial sum is an integer below K * 127^2 < 2^53)."""
+    K = A.shape[-1]
+    out = torch.matmul(A.reshape(-1, K).double(), B.double().t())
+    return out.to(torch.int32).reshape(*A.shape[:-1], B.shape[0])
 
 
 @composite("int8_double_quant")
