@@ -8,7 +8,7 @@ copies of the same inputs:
 - bitsandbytes' own CPU op, bit for bit, for the ops whose CPU result is the same on every CPU;
 - for the 4-bit dequantize and products, whose stock CPU kernels give other (wrong) results on CPUs
   with AVX-512 (tests/stock_cpu_paths.py), the docs/semantics.md weight (tests/spec_reference.py)
-  and bitsandbytes' composition of it (dequantized to A's dtype, then torch's linear), bit for bit.
+  and its float32 product rounded once (docs/semantics.md section 4), bit for bit.
 The ops whose stock CPU kernels depend on the CPU are also run with those kernels replaced by
 models of their AVX-512 / AVX512-BF16 paths, so that the comparisons are seen to hold on such CPUs.
 """
@@ -91,18 +91,24 @@ def stock(name, args):
     return packet(name)(*args)
 
 
+def float32_linear(A, W, bias=None):
+    """docs/semantics.md section 4: a float32 product with the float32 weight (bias added in float32),
+    rounded once to A's dtype."""
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.linear(A.float(), torch.from_numpy(W), b).to(A.dtype)
+
+
 def reference(name, args):
-    """docs/semantics.md's 4-bit weight (float32), then as bitsandbytes composes the products:
-    converted to A's dtype, then torch's linear."""
+    """docs/semantics.md's 4-bit weight (float32), then its float32 product rounded once."""
     if name == "dequantize_4bit":
         A, absmax, blocksize, quant_type, shape, dtype = args
         return ref.dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype)
     if name == "gemv_4bit":
         A, B, shapeB, absmax, code, blocksize = args
-        return R.dequantize_then_linear(A, R.dequantized_weight(B, shapeB, blocksize, code, absmax))
+        return float32_linear(A, R.dequantized_weight(B, shapeB, blocksize, code, absmax))
     A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset = args
     W = R.dequantized_weight(B, shapeB, blocksize, quant_type, absmax, absmax_8bit, absmax_code, absmax_offset)
-    return R.dequantize_then_linear(A, W, bias)
+    return float32_linear(A, W, bias)
 
 
 def int8_double_quant_reference(A, threshold):

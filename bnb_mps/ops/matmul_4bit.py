@@ -265,17 +265,24 @@ def gemv_4bit_out(executor, A, B, shapeB, absmax, code, blocksize, out) -> None:
 
 # -- the CPU fallback's composition ------------------------------------------------------------------
 #
-# bitsandbytes' pure-PyTorch path (its default kernels): the weight dequantized to A's dtype, then
-# torch's linear. Not bitsandbytes' CPU kernels: on CPUs with AVX512-BF16, bitsandbytes 0.50.2
-# registers a CPU gemv_4bit that reads the weight in its own packed CPU layout (the one Linear4bit
-# converts weights to on such CPUs), so it returns wrong values for the standard layout these ops
-# take; and its CPU gemm_4bit dequantizes through the path dequantize_4bit_cpu avoids.
+# docs/semantics.md section 4 on the CPU: the weight dequantized to float32, a float32 product (bias
+# added in float32), rounded once to A's dtype. Not bitsandbytes' CPU kernels: on CPUs with
+# AVX512-BF16, bitsandbytes 0.50.2 registers a CPU gemv_4bit that reads the weight in its own packed
+# CPU layout (the one Linear4bit converts weights to on such CPUs), so it returns wrong values for the
+# standard layout these ops take; its CPU gemm_4bit dequantizes through the path dequantize_4bit_cpu
+# avoids; and its pure-PyTorch path multiplies in A's dtype, whose accumulation on the CPU depends on
+# the CPU's kernels.
+
+
+def _linear_float32(A, W, bias):
+    out = torch.nn.functional.linear(A.float(), W, None if bias is None else bias.float())
+    return out.to(A.dtype)
 
 
 @composite("gemv_4bit")
 def gemv_4bit_cpu(A, B, shapeB, absmax, code, blocksize):
     quant_type = "fp4" if code[1] > 0 else "nf4"  # as bitsandbytes' default kernel tells them apart
-    return torch.nn.functional.linear(A, dequantize_4bit_cpu(B, absmax, blocksize, quant_type, shapeB, A.dtype))
+    return _linear_float32(A, dequantize_4bit_cpu(B, absmax, blocksize, quant_type, shapeB, torch.float32), None)
 
 
 @composite("gemm_4bit")
@@ -283,6 +290,6 @@ def gemm_4bit_cpu(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax
                   absmax_offset=None):  # fmt: skip
     if absmax_8bit is not None:  # nested: scale_b = absmax_code[absmax_8bit[b]] * absmax[b // 256] + offset
         codes = torch.ops.bitsandbytes.dequantize_blockwise.default
-        absmax = codes(absmax_8bit, absmax, absmax_code, 256, torch.float32) + absmax_offset
-    W = dequantize_4bit_cpu(B, absmax, blocksize, quant_type, shapeB, A.dtype)
-    return torch.nn.functional.linear(A, W, bias)
+        absmax = codes(absmax_8bit, absmax, absmax_code, 256, torch.float32) + absmax_offset.float()
+    W = dequantize_4bit_cpu(B, absmax, blocksize, quant_type, shapeB, torch.float32)
+    return _linear_float32(A, W, bias)
