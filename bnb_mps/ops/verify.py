@@ -225,9 +225,9 @@ def _blockwise_8bit_cases() -> Iterator[Case]:
         pool = torch.cat([code[torch.randint(0, 256, (2 * n + 64,), generator=g)].double(),
                           torch.rand(2 * n + 64, generator=g, dtype=torch.float64) * 2 - 1])  # fmt: skip
         pool = pool[torch.randperm(pool.numel(), generator=g)]
+        # (No NaN: where bitsandbytes has no CPU library, its pure-PyTorch quantizer lets NaN into
+        # the block max; the mps suite checks NaN against docs/semantics.md instead.)
         A = _scaled_blocks(_clear_of(pool, points, dtype, 1e-4, n), blocksize, dtype, seed=200 + i)
-        if n > 64:
-            A[3] = float("nan")  # ignored by the block max, index 0
         tag = f"{dtype} blocksize={blocksize} n={n}"
         yield Case(f"quantize_blockwise {tag}", "quantize_blockwise", (A, code, blocksize), _same)
         q, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(A.float(), code, blocksize)
