@@ -134,14 +134,13 @@ def _gemm4bit_cases(mode: str) -> Iterator[Case]:
             A = torch.randn(M, K, dtype=dtype).to(device)
 
             def call():
-                from bnb_mps.ops import matmul_4bit
+                from bnb_mps.ops import matmul_4bit, routing
 
-                saved, matmul_4bit.GEMV_TABLE = matmul_4bit.GEMV_TABLE, table
-                try:
-                    return torch.ops.bitsandbytes.gemm_4bit(A, packed, [N, K], absmax, blocksize, "nf4", None, q8,
-                                                            code8, offset)  # fmt: skip
-                finally:
-                    matmul_4bit.GEMV_TABLE = saved
+                if matmul_4bit.GEMV_TABLE != table:  # (the case's table; the next case sets its own)
+                    matmul_4bit.GEMV_TABLE = table
+                    routing.forget()  # the op layer keeps launch plans per call signature: made again
+                return torch.ops.bitsandbytes.gemm_4bit(A, packed, [N, K], absmax, blocksize, "nf4", None, q8, code8,
+                                                        offset)  # fmt: skip
 
             return call
 

@@ -55,16 +55,23 @@ def test_mac_cases(bench):
 
 def test_mac_case_functions_run(bench):
     """The Mac cases' call functions work (run here on CPU tensors by bitsandbytes' own CPU kernels,
-    bnb_mps not being registered for the cpu key): the 4-bit op, its threadgroup-table variant
-    (which restores the module setting) and the dense baseline."""
-    from bnb_mps.ops import matmul_4bit
+    bnb_mps not being registered for the cpu key): the 4-bit op, its threadgroup-table variant (each
+    case sets the module setting it measures, and has the op layer plan its calls again) and the
+    dense baseline."""
+    from bnb_mps.ops import matmul_4bit, routing
 
     cpu = torch.device("cpu")
     cases = {c.name: c for c in bench.FAMILIES["gemm4bit"]("gpu")}
     plain = cases["gemm_4bit nf4 nested float16 4096x4096 M=1"]
     table = cases["gemm_4bit nf4 nested float16 4096x4096 M=1 (threadgroup table)"]
-    y = plain.make(cpu)()
-    assert y.shape == (1, 4096) and y.dtype == torch.float16
-    assert table.make(cpu)().shape == (1, 4096)
-    assert matmul_4bit.GEMV_TABLE == "constant"
+    epoch = routing.epoch
+    try:
+        assert table.make(cpu)().shape == (1, 4096)
+        assert matmul_4bit.GEMV_TABLE == "threadgroup" and routing.epoch > epoch
+        epoch = routing.epoch
+        y = plain.make(cpu)()
+        assert matmul_4bit.GEMV_TABLE == "constant" and routing.epoch > epoch
+        assert y.shape == (1, 4096) and y.dtype == torch.float16
+    finally:
+        matmul_4bit.GEMV_TABLE = "constant"
     assert plain.baseline(cpu)().shape == (1, 4096)

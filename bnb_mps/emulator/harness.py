@@ -26,7 +26,7 @@ class NondeterministicOutput(EmulatorError):
 def _bits(t):
     import torch
 
-    t = t.detach().contiguous()
+    t = t.detach().contiguous().reshape(-1)  # (a 0-dim tensor has no byte view)
     return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
 
 

@@ -48,6 +48,9 @@ _lock = threading.Lock()
 _selection: Optional[Selection] = None
 _load_errors: dict[str, str] = {}
 _warned = False
+#: changes whenever the tier choice is forgotten (`reset`), so that what was bound to an executor
+#: (the op layer's launch plans) is dropped with it
+generation = 0
 
 
 def load_tier(name: str) -> Executor:
@@ -108,11 +111,12 @@ def selection() -> Selection:
 
 def reset() -> None:
     """Forget the tier choice (tests; after changing BNB_MPS_EXECUTOR)."""
-    global _selection, _warned
+    global _selection, _warned, generation
     with _lock:
         _selection = None
         _load_errors.clear()
         _warned = False
+        generation += 1
 
 
 def load_errors() -> dict[str, str]:

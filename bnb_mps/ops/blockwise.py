@@ -1,6 +1,6 @@
 """8-bit blockwise quantization (docs/semantics.md section 2): argument checks and kernel launchers.
 
-Launchers allocate outputs once on the input's device and launch one kernel of
+Planners (bnb_mps.ops.plan) allocate outputs once on the input's device and launch one kernel of
 `csrc/kernels/quantize_8bit.metal` by host name, with the geometry documented there.
 """
 
@@ -12,8 +12,9 @@ import torch
 
 from ..kernel_args import uint32
 from . import validation as v
-from .launch import DTYPE_NAMES, aligned, check_size, flat, into
-from .registry import checks, kernel
+from .launch import DTYPE_NAMES, aligned_arg, check_size, flat_arg, out_arg
+from .plan import Plan, PlanBuilder
+from .registry import checks, kernel_of, planner
 
 # -- checks ---------------------------------------------------------------------------------------
 
@@ -84,45 +85,49 @@ def quantize_geometry(n: int, blocksize: int, max_groups: int | None = None) -> 
     return (groups, 1, 1), (threads, 1, 1)
 
 
-@kernel("quantize_blockwise")
-def quantize_blockwise(executor, A: torch.Tensor, code: torch.Tensor, blocksize: int):
+@planner("quantize_blockwise")
+def plan_quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> Plan:
     n = A.numel()
     check_size("quantize_blockwise", "A", n)
-    out = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
-    absmax = torch.empty(math.ceil(n / blocksize), dtype=torch.float32, device=A.device)
-    if n == 0:
-        return out, absmax
-    grid, threadgroup = quantize_geometry(n, blocksize, MAX_QUANTIZE8_THREADGROUPS)
-    executor.launch(
-        f"bnb_quantize_blockwise_{DTYPE_NAMES[A.dtype]}_{blocksize}",
-        grid=grid,
-        threadgroup=threadgroup,
-        args=[aligned(A), flat(code), out, absmax, uint32(n)],
-    )
-    return out, absmax
+    b = PlanBuilder(A.device)
+    out = b.output(A.shape, torch.uint8)
+    absmax = b.output((math.ceil(n / blocksize),), torch.float32)
+    if n > 0:
+        grid, threadgroup = quantize_geometry(n, blocksize, MAX_QUANTIZE8_THREADGROUPS)
+        b.launch(f"bnb_quantize_blockwise_{DTYPE_NAMES[A.dtype]}_{blocksize}", grid, threadgroup,
+                 [aligned_arg(b, 0, A), flat_arg(b, 1, code), out, absmax, uint32(n)])  # fmt: skip
+    return b.build(result=(out, absmax))
 
 
-def _dequantize_into(executor, out, A, absmax, code, blocksize) -> None:
+def _dequantize_launch(b: PlanBuilder, out, A, absmax, code, blocksize, dtype) -> None:
     n = A.numel()
+    check_size(b.op, "A", n)
     if n == 0:
         return
-    executor.launch(
-        f"bnb_dequantize_blockwise_{DTYPE_NAMES[out.dtype]}",
-        grid=(math.ceil(n / _DEQUANT_ELEMS_PER_TG), 1, 1),
-        threadgroup=(_DEQUANT_THREADS, 1, 1),
-        args=[aligned(A), flat(code), flat(absmax), out, uint32(n), uint32(blocksize.bit_length() - 1)],
-    )
+    b.launch(
+        f"bnb_dequantize_blockwise_{DTYPE_NAMES[dtype]}",
+        (math.ceil(n / _DEQUANT_ELEMS_PER_TG), 1, 1),
+        (_DEQUANT_THREADS, 1, 1),
+        [aligned_arg(b, 0, A), flat_arg(b, 2, code), flat_arg(b, 1, absmax), out, uint32(n),
+         uint32(blocksize.bit_length() - 1)],
+    )  # fmt: skip
 
 
-@kernel("dequantize_blockwise")
-def dequantize_blockwise(executor, A, absmax, code, blocksize, dtype):
-    check_size("dequantize_blockwise", "A", A.numel())
-    out = torch.empty(A.shape, dtype=dtype, device=A.device)
-    _dequantize_into(executor, out, A, absmax, code, blocksize)
-    return out
+@planner("dequantize_blockwise")
+def plan_dequantize_blockwise(A, absmax, code, blocksize, dtype) -> Plan:
+    b = PlanBuilder(A.device, "dequantize_blockwise")
+    out = b.output(A.shape, dtype)
+    _dequantize_launch(b, out, A, absmax, code, blocksize, dtype)
+    return b.build(result=out)
 
 
-@kernel("dequantize_blockwise.out")
-def dequantize_blockwise_out(executor, A, absmax, code, blocksize, dtype, out) -> None:
-    check_size("dequantize_blockwise.out", "A", A.numel())
-    into(out, lambda target: _dequantize_into(executor, target, A, absmax, code, blocksize))
+@planner("dequantize_blockwise.out")
+def plan_dequantize_blockwise_out(A, absmax, code, blocksize, dtype, out) -> Plan:
+    b = PlanBuilder(A.device, "dequantize_blockwise.out")
+    _dequantize_launch(b, out_arg(b, 5, out), A, absmax, code, blocksize, dtype)
+    return b.build()
+
+
+quantize_blockwise = kernel_of("quantize_blockwise")
+dequantize_blockwise = kernel_of("dequantize_blockwise")
+dequantize_blockwise_out = kernel_of("dequantize_blockwise.out")

@@ -1,6 +1,6 @@
 """4-bit NF4/FP4 quantization (docs/semantics.md section 3): argument checks and kernel launchers.
 
-Launchers allocate outputs once on the input's device and launch one kernel of
+Planners (bnb_mps.ops.plan) allocate outputs once on the input's device and launch one kernel of
 `csrc/kernels/quantize_4bit.metal` by host name, with the geometry documented there.
 """
 
@@ -13,8 +13,9 @@ import torch
 from ..kernel_args import uint32
 from . import validation as v
 from .blockwise import quantize_geometry
-from .launch import DTYPE_NAMES, aligned, check_size, flat, into
-from .registry import checks, composite, kernel
+from .launch import DTYPE_NAMES, aligned_arg, check_size, flat_arg, out_arg
+from .plan import Plan, PlanBuilder
+from .registry import checks, composite, kernel_of, planner
 
 # Packed 4-bit data may be stored in any of these dtypes (Params4bit's quant_storage); it is read as bytes.
 STORAGE_DTYPES = (
@@ -82,55 +83,61 @@ def packed_shape(n: int, quant_storage: torch.dtype) -> tuple[int, int]:
     return ((n + 1) // (2 * quant_storage.itemsize), 1)
 
 
-@kernel("quantize_4bit")
-def quantize_4bit(executor, A, blocksize, quant_type, quant_storage):
+@planner("quantize_4bit")
+def plan_quantize_4bit(A, blocksize, quant_type, quant_storage) -> Plan:
     n = A.numel()
     check_size("quantize_4bit", "A", n)
     nbytes = (n + 1) // 2
     rows, _ = packed_shape(n, quant_storage)
-    itemsize = quant_storage.itemsize
     # The kernel writes all ceil(n / 2) bytes; when that is not a multiple of the storage item
     # size, bitsandbytes' shape drops the last partial item, so the buffer is rounded up and the
     # result is a view of its first rows items.
-    storage = torch.empty(nbytes + (-nbytes) % itemsize, dtype=torch.uint8, device=A.device)
-    absmax = torch.empty(math.ceil(n / blocksize), dtype=torch.float32, device=A.device)
+    stored = -(-nbytes // quant_storage.itemsize)
+    b = PlanBuilder(A.device, "quantize_4bit")
+    packed = b.output((stored, 1), quant_storage)
+    absmax = b.output((math.ceil(n / blocksize),), torch.float32)
     if n > 0:
         grid, threadgroup = quantize_geometry(n, blocksize)
-        executor.launch(
-            f"bnb_quantize_4bit_{quant_type}_{DTYPE_NAMES[A.dtype]}_{blocksize}",
-            grid=grid,
-            threadgroup=threadgroup,
-            args=[aligned(A), storage, absmax, uint32(n)],
-        )
-    packed = storage.view(quant_storage)[:rows].reshape(rows, 1)
-    return packed, absmax
+        b.launch(f"bnb_quantize_4bit_{quant_type}_{DTYPE_NAMES[A.dtype]}_{blocksize}", grid, threadgroup,
+                 [aligned_arg(b, 0, A), packed, absmax, uint32(n)])  # fmt: skip
+    if stored == rows:
+        return b.build(result=(packed, absmax))
+    return b.build(result=lambda outs: (outs[0][:rows], outs[1]))
 
 
-def _dequantize_into(executor, out, A, absmax, blocksize, quant_type) -> None:
-    n = out.numel()
+def _dequantize_launch(b: PlanBuilder, out, A, absmax, blocksize, quant_type, shape, dtype) -> None:
+    n = math.prod(shape)
+    check_size(b.op, "shape", n)
     if n == 0:
         return
     nbytes = (n + 1) // 2
-    executor.launch(
-        f"bnb_dequantize_4bit_{quant_type}_{DTYPE_NAMES[out.dtype]}",
-        grid=(math.ceil(nbytes / _DEQUANT_BYTES_PER_TG), 1, 1),
-        threadgroup=(_DEQUANT_THREADS, 1, 1),
-        args=[aligned(A).view(torch.uint8), flat(absmax), out, uint32(n), uint32(blocksize.bit_length() - 1)],
+    b.launch(
+        f"bnb_dequantize_4bit_{quant_type}_{DTYPE_NAMES[dtype]}",
+        (math.ceil(nbytes / _DEQUANT_BYTES_PER_TG), 1, 1),
+        (_DEQUANT_THREADS, 1, 1),
+        [aligned_arg(b, 0, A), flat_arg(b, 1, absmax), out, uint32(n), uint32(blocksize.bit_length() - 1)],
     )
 
 
-@kernel("dequantize_4bit")
-def dequantize_4bit(executor, A, absmax, blocksize, quant_type, shape, dtype):
-    check_size("dequantize_4bit", "shape", math.prod(shape))
-    out = torch.empty(tuple(shape), dtype=dtype, device=A.device)
-    _dequantize_into(executor, out, A, absmax, blocksize, quant_type)
-    return out
+@planner("dequantize_4bit")
+def plan_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype) -> Plan:
+    b = PlanBuilder(A.device, "dequantize_4bit")
+    check_size(b.op, "shape", math.prod(shape))
+    out = b.output(shape, dtype)
+    _dequantize_launch(b, out, A, absmax, blocksize, quant_type, shape, dtype)
+    return b.build(result=out)
 
 
-@kernel("dequantize_4bit.out")
-def dequantize_4bit_out(executor, A, absmax, blocksize, quant_type, shape, dtype, out) -> None:
-    check_size("dequantize_4bit.out", "shape", math.prod(shape))
-    into(out, lambda target: _dequantize_into(executor, target, A, absmax, blocksize, quant_type))
+@planner("dequantize_4bit.out")
+def plan_dequantize_4bit_out(A, absmax, blocksize, quant_type, shape, dtype, out) -> Plan:
+    b = PlanBuilder(A.device, "dequantize_4bit.out")
+    _dequantize_launch(b, out_arg(b, 6, out), A, absmax, blocksize, quant_type, shape, dtype)
+    return b.build()
+
+
+quantize_4bit = kernel_of("quantize_4bit")
+dequantize_4bit = kernel_of("dequantize_4bit")
+dequantize_4bit_out = kernel_of("dequantize_4bit.out")
 
 
 # -- the CPU fallback's composition ------------------------------------------------------------------

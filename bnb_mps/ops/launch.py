@@ -44,10 +44,51 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 def into(out: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> None:
     """Runs `fill(target)` with a contiguous, aligned target: `out` itself when it is one, else a
-    temporary of out's size that is then copied into `out` (for `.out` overloads given views)."""
+    temporary of out's size that is then copied into `out` (for `.out` overloads given views; the
+    planned ops do the same with `out_arg`)."""
     if out.is_contiguous() and is_aligned(out):
         fill(out)
     else:
-        tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        tmp = _temporary(out)
         fill(tmp)
         out.copy_(tmp)
+
+
+def _temporary(out: torch.Tensor) -> torch.Tensor:
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
+
+
+# -- binding a call's tensors in a plan (bnb_mps.ops.plan.PlanBuilder) -------------------------------
+#
+# Every executor binds a tensor at its storage offset and reads the bytes the kernel indexes, so a
+# contiguous argument is bound as it is (no flat view: a view costs as much as a small kernel launch on
+# the host). Others get a per-call replacement the plan makes.
+
+
+def flat_arg(b, i: int, t: torch.Tensor):
+    """Argument `i` read element by element: itself when contiguous, else a contiguous copy."""
+    return b.arg(i) if t.is_contiguous() else b.arg(i, flat)
+
+
+def aligned_arg(b, i: int, t: torch.Tensor):
+    """Argument `i` read with vector loads: itself when contiguous at a 16-byte aligned offset, else
+    an aligned contiguous copy."""
+    return b.arg(i) if t.is_contiguous() and is_aligned(t) else b.arg(i, aligned)
+
+
+def out_arg(b, i: int, out: torch.Tensor, *, any_alignment: bool = False):
+    """An `out=` argument `i` the kernels write: itself when contiguous (and 16-byte aligned unless
+    `any_alignment`), else a contiguous temporary copied into `out` after the launches."""
+    if out.is_contiguous() and (any_alignment or is_aligned(out)):
+        return b.arg(i)
+    return b.arg(i, _temporary, write_back=True)
+
+
+def inplace_arg(b, i: int, t: torch.Tensor):
+    """A tensor argument `i` the kernels update in place: itself when contiguous, else a contiguous
+    copy written back after the launches."""
+    return b.arg(i) if t.is_contiguous() else b.arg(i, _contiguous, write_back=True)

@@ -5,14 +5,17 @@ kernel launchers (csrc/kernels/gemm_4bit.metal).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
 from ..kernel_args import uint32
 from . import validation as v
 from .fourbit import dequantize_4bit_cpu, packed_bytes
-from .launch import DTYPE_NAMES, VECTOR_ALIGN, aligned, check_size, flat, into, is_aligned
-from .registry import checks, composite, kernel
+from .launch import DTYPE_NAMES, VECTOR_ALIGN, aligned_arg, check_size, flat_arg, is_aligned, out_arg
+from .plan import Plan, PlanBuilder
+from .registry import checks, composite, kernel_of, planner
 
 # What bitsandbytes' gemv/gemm schemas accept for B (read as bytes).
 GEMM_STORAGE_DTYPES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
@@ -105,7 +108,8 @@ def check_gemm_4bit(
 # take over. The gemv kernel needs K % 32 == 0 and the batch kernel K % 16 == 0 (chunks of 32 / 16
 # nibbles per lane): M = 1 with K % 32 == 16 takes the batch kernel, and K % 16 != 0 (no real
 # model has it) the mma kernel, the only one that addresses nibbles one by one. The constants are
-# module attributes so that a benchmark on a Mac can move them; nothing here looks at tensor data.
+# module attributes so that a benchmark on a Mac can move them (then calling bnb_mps.ops.routing.forget():
+# the op layer keeps launch plans per call signature); nothing here looks at tensor data.
 GEMV_MAX_M = 1
 SMALL_BATCH_MAX_M = 8
 
@@ -133,59 +137,68 @@ def choose_path(M: int, N: int, K: int) -> str:
     return "mma"
 
 
-def _rows(A: torch.Tensor) -> torch.Tensor:
-    """A as an [M, K] view with unit column stride (copied only when no such view exists)."""
+def _rows_copy(A: torch.Tensor) -> torch.Tensor:
+    """A as a contiguous [M, K] copy (for layouts whose rows cannot be bound as a strided span)."""
+    return A.reshape(-1, A.shape[-1]).contiguous()
+
+
+def _bind_A(b: PlanBuilder, A: torch.Tensor) -> tuple:
+    """(reference, row stride in elements, start 16-byte aligned) for A, bound as [M, K] rows with
+    unit column stride: A itself when contiguous; a strided view as the one-dimensional span of
+    storage its rows cover (so that every executor, including one that stages tensors through another
+    device, sees exactly the bytes the kernel indexes); otherwise a contiguous copy."""
     K = A.shape[-1]
+    if A.is_contiguous():
+        return b.arg(0), K, is_aligned(A)
     try:
         A2 = A.view(-1, K)
     except RuntimeError:  # leading dimensions that do not collapse into one stride
-        A2 = A.reshape(-1, K).contiguous()
-    if K > 1 and A2.stride(1) != 1:
-        A2 = A2.contiguous()
-    return A2
+        A2 = None
+    if A2 is None or (K > 1 and A2.stride(1) != 1):
+        return b.arg(0, _rows_copy), K, True
+    M, lda = A2.shape[0], A2.stride(0)
+    span = ((M - 1) * lda + K,)
+    return b.arg(0, lambda A: A.view(-1, K).as_strided(span, (1,))), lda, is_aligned(A)
 
 
-def _bind_rows(A2: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(tensor to bind, row stride in elements) for an [M, K] view with unit column stride.
-
-    A strided view is bound as the one-dimensional span of storage its rows cover, so that every
-    executor (including one that stages tensors through another device) sees exactly the bytes
-    the kernel indexes."""
-    M, K = A2.shape
-    if M <= 1 or A2.is_contiguous():
-        return A2.reshape(-1), K
-    lda = A2.stride(0)
-    return A2.as_strided(((M - 1) * lda + K,), (1,)), lda
+def _constant_copy(code: torch.Tensor) -> torch.Tensor:
+    return code.clone(memory_format=torch.contiguous_format)
 
 
-def _matmul_into(executor, op, out, A, B, shapeB, absmax, blocksize, table, code, bias, absmax_8bit,
-                 absmax_code, absmax_offset) -> None:  # fmt: skip
-    """out[..., N] = A @ dequant(B).T (+ bias): one kernel launch (none for empty products)."""
+def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, code, bias,
+                   nested: Optional[tuple]) -> None:  # fmt: skip
+    """out[..., N] = A @ dequant(B).T (+ bias): one kernel launch (none for empty products).
+
+    Arguments are at the schema positions A = 0, B = 1, absmax = 3; `code` and `bias` are
+    (position, tensor) or None; `nested` is ((position, tensor) of absmax_8bit, absmax_code,
+    absmax_offset) or None."""
     N, K = shapeB
     M = math.prod(A.shape[:-1])
-    if M == 0 or N == 0:
+    if M == 0 or N == 0 or K == 0:  # K == 0: an empty sum, only the bias (see _empty_sum)
         return
-    if K == 0:  # an empty sum: only the bias (never the case for a real layer)
-        out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
-        return
-    A2 = _rows(A)
-    A_bound, lda = _bind_rows(A2)
-    check_size(op, "A", A_bound.numel())
-    A_aligned = is_aligned(A_bound) and (lda * A.element_size()) % VECTOR_ALIGN == 0
+    A_ref, lda, A_start_aligned = _bind_A(b, A)
+    check_size(b.op, "A", (M - 1) * lda + K)
+    A_aligned = A_start_aligned and (lda * A.element_size()) % VECTOR_ALIGN == 0
     flags = (_FLAG_BIAS if bias is not None else 0) | (_FLAG_AVEC if A_aligned else 0)
 
-    scales = flat(absmax)
-    nested = absmax_8bit is not None
-    if nested:
-        q8, code8 = flat(absmax_8bit), flat(absmax_code)
-        offset = absmax_offset.reshape(1).view(torch.uint8)
-        offset_kind = _OFFSET_KINDS[absmax_offset.dtype]
+    scales = flat_arg(b, 3, absmax)
+    if nested is not None:
+        (i8, q8), (ic, code8), (io, offset) = nested
+        nested_refs = (flat_arg(b, i8, q8), flat_arg(b, ic, code8), flat_arg(b, io, offset))
+        offset_kind = _OFFSET_KINDS[offset.dtype]
     else:
-        q8 = code8 = offset = scales  # bound, never read
+        nested_refs = (scales, scales, scales)  # bound, never read
         offset_kind = 0
+    if code is not None:
+        i, t = code
+        aligned256 = t.is_contiguous() and (t.storage_offset() * t.element_size()) % _CONSTANT_ALIGN == 0
+        code_ref = b.arg(i) if aligned256 else b.arg(i, _constant_copy)
+    else:
+        code_ref = scales
+    bias_ref = flat_arg(b, bias[0], bias[1]) if bias is not None else scales
     path = choose_path(M, N, K)
     dt = DTYPE_NAMES[A.dtype]
-    sc = "nested" if nested else "absmax"
+    sc = "nested" if nested is not None else "absmax"
     if path == "gemv":
         variant = "_tglut" if GEMV_TABLE == "threadgroup" else ""
         name = f"bnb_gemv_4bit{variant}_{sc}_{dt}"
@@ -196,15 +209,10 @@ def _matmul_into(executor, op, out, A, B, shapeB, absmax, blocksize, table, code
     else:
         name = f"bnb_gemm_4bit_mma_{sc}_{dt}"
         grid, threads = (math.ceil(M / _MMA_BM), math.ceil(N / _MMA_BN), 1), (128, 1, 1)
-    executor.launch(
-        name,
-        grid=grid,
-        threadgroup=threads,
-        args=[
-            A_bound, aligned(B).view(torch.uint8), scales, q8, code8, offset,
-            _constant_buffer(code) if code is not None else scales,
-            flat(bias) if bias is not None else scales,
-            out,
+    b.launch(
+        name, grid, threads,
+        [
+            A_ref, aligned_arg(b, 1, B), scales, *nested_refs, code_ref, bias_ref, out,
             uint32(M), uint32(N), uint32(K), uint32(lda), uint32(blocksize.bit_length() - 1),
             uint32(_TABLES[table]), uint32(offset_kind), uint32(flags),
         ],
@@ -216,51 +224,65 @@ def _matmul_into(executor, op, out, A, B, shapeB, absmax, blocksize, table, code
 _CONSTANT_ALIGN = 256
 
 
-def _constant_buffer(code: torch.Tensor) -> torch.Tensor:
-    code = flat(code)
-    return code if (code.storage_offset() * code.element_size()) % _CONSTANT_ALIGN == 0 else code.clone()
+def _empty_sum(target: Callable[[list, tuple], torch.Tensor], bias_position: Optional[int]):
+    """The `finish` of a product with K = 0 (never the case for a real layer): only the bias."""
+
+    def finish(args: list, outs: tuple) -> None:
+        out = target(args, outs)
+        out.copy_(args[bias_position].expand_as(out)) if bias_position is not None else out.zero_()
+
+    return finish
 
 
-def _output(op: str, A: torch.Tensor, shapeB) -> torch.Tensor:
-    """The output [*A.shape[:-1], N], allocated once the sizes are known to fit 32-bit indexing."""
+def _output(b: PlanBuilder, A: torch.Tensor, shapeB):
+    """The output [*A.shape[:-1], N], once the sizes are known to fit 32-bit indexing."""
     N, K = shapeB
-    check_size(op, "shapeB", N * K)
-    check_size(op, "the output", math.prod(A.shape[:-1]) * N)
-    check_size(op, "A", A.numel())
-    return torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
+    check_size(b.op, "shapeB", N * K)
+    check_size(b.op, "the output", math.prod(A.shape[:-1]) * N)
+    check_size(b.op, "A", A.numel())
+    return b.output((*A.shape[:-1], N), A.dtype)
 
 
-@kernel("gemm_4bit")
-def gemm_4bit(executor, A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
-              absmax_offset=None):  # fmt: skip
-    out = _output("gemm_4bit", A, shapeB)
-    _matmul_into(executor, "gemm_4bit", out, A, B, shapeB, absmax, blocksize, quant_type, None, bias, absmax_8bit,
-                 absmax_code, absmax_offset)  # fmt: skip
-    return out
+def _first_output(args: list, outs: tuple) -> torch.Tensor:
+    return outs[0]
 
 
-@kernel("gemv_4bit")
-def gemv_4bit(executor, A, B, shapeB, absmax, code, blocksize):
-    out = _output("gemv_4bit", A, shapeB)
-    _matmul_into(executor, "gemv_4bit", out, A, B, shapeB, absmax, blocksize, "code", code, None, None, None, None)
-    return out
+@planner("gemm_4bit")
+def plan_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
+                   absmax_offset=None) -> Plan:  # fmt: skip
+    b = PlanBuilder(A.device, "gemm_4bit")
+    out = _output(b, A, shapeB)
+    nested = None if absmax_8bit is None else ((7, absmax_8bit), (8, absmax_code), (9, absmax_offset))
+    _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, quant_type, None,
+                   (6, bias) if bias is not None else None, nested)  # fmt: skip
+    finish = _empty_sum(_first_output, 6 if bias is not None else None) if shapeB[1] == 0 else None
+    return b.build(result=out, finish=finish)
 
 
-@kernel("gemv_4bit.out")
-def gemv_4bit_out(executor, A, B, shapeB, absmax, code, blocksize, out) -> None:
-    def fill(target):
-        _matmul_into(executor, "gemv_4bit.out", target, A, B, shapeB, absmax, blocksize, "code", code, None, None,
-                     None, None)  # fmt: skip
+@planner("gemv_4bit")
+def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> Plan:
+    b = PlanBuilder(A.device, "gemv_4bit")
+    out = _output(b, A, shapeB)
+    _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None)
+    return b.build(result=out, finish=_empty_sum(_first_output, None) if shapeB[1] == 0 else None)
 
+
+@planner("gemv_4bit.out")
+def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out) -> Plan:
+    b = PlanBuilder(A.device, "gemv_4bit.out")
     N, K = shapeB
-    check_size("gemv_4bit.out", "shapeB", N * K)
-    check_size("gemv_4bit.out", "out", out.numel())
+    check_size(b.op, "shapeB", N * K)
+    check_size(b.op, "out", out.numel())
     # The kernels store the output element by element: any contiguous `out` is written in place
     # (whatever its alignment); other layouts go through a contiguous temporary.
-    if out.is_contiguous():
-        fill(out)
-    else:
-        into(out, fill)
+    target = out_arg(b, 6, out, any_alignment=True)
+    _matmul_launch(b, target, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None)
+    return b.build(finish=_empty_sum(lambda args, outs: args[6], None) if K == 0 else None)
+
+
+gemm_4bit = kernel_of("gemm_4bit")
+gemv_4bit = kernel_of("gemv_4bit")
+gemv_4bit_out = kernel_of("gemv_4bit.out")
 
 
 # -- the CPU fallback's composition ------------------------------------------------------------------

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Optional
-
 import torch
 
 from ..kernel_args import float32, uint32
 from . import validation as v
-from .launch import DTYPE_NAMES, check_size, flat
-from .registry import checks, kernel
+from .launch import DTYPE_NAMES, check_size, flat_arg, inplace_arg
+from .plan import Plan, PlanBuilder
+from .registry import checks, kernel_of, planner
 
 # Every optimizer name bitsandbytes' update ops accept, and how many states each keeps.
 OPTIMIZERS = {
@@ -168,8 +167,10 @@ def _hyper(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)
 
 
 def _vector_ok(t: torch.Tensor, extra_elements: int = 0) -> bool:
-    """A buffer bound at `t` (plus `extra_elements`) starts at a multiple of one 4-element vector."""
-    return ((t.storage_offset() + extra_elements) * t.element_size()) % (4 * t.element_size()) == 0
+    """A buffer bound for `t` (plus `extra_elements`) starts at a multiple of one 4-element vector:
+    `t` itself when contiguous, else the contiguous copy the plan binds (at offset 0)."""
+    offset = t.storage_offset() if t.is_contiguous() else 0
+    return (offset + extra_elements) % 4 == 0
 
 
 def _m2_vector_ok(state1: torch.Tensor, n: int) -> bool:
@@ -179,97 +180,148 @@ def _m2_vector_ok(state1: torch.Tensor, n: int) -> bool:
     return _vector_ok(state1) and _vector_ok(state1, n)
 
 
-class _InPlace:
-    """Binds the tensors a kernel updates in place: flat views of contiguous ones; a contiguous
-    copy of a non-contiguous one, written back by `finish()` (bitsandbytes passes contiguous
-    tensors; this keeps other callers correct)."""
-
-    def __init__(self) -> None:
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def bind(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if t is None:
-            return None
-        if t.is_contiguous():
-            return t.view(-1)
-        c = t.contiguous().view(-1)
-        self._copies.append((t, c))
-        return c
-
-    def finish(self) -> None:
-        for t, c in self._copies:
-            t.copy_(c.view(t.shape))
-
-
-def _flags(step: int, skip_zeros: bool, **vectors: bool) -> int:
+def _flags(**vectors: bool) -> int:
+    """The flags a plan fixes: which buffers take vector accesses."""
     bits = dict(g=VEC_G, p=VEC_P, s1=VEC_S1, s2=VEC_S2, m2=VEC_M2)
-    f = sum(bits[name] for name, ok in vectors.items() if ok)
-    return f | (FIRST_STEP if step == 1 else 0) | (SKIP_ZEROS if skip_zeros else 0)
+    return sum(bits[name] for name, ok in vectors.items() if ok)
 
 
-@kernel("optimizer_update_8bit_blockwise")
-def optimizer_update_8bit_blockwise_kernel(
-    executor, optimizer_name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1,
+# -- per-call scalars -------------------------------------------------------------------------------
+#
+# The hyperparameters and the step change from call to call (the step on every optimizer step) but not
+# from one parameter tensor to the next, so a plan leaves them out of its key and each call turns them
+# into the kernels' scalar arguments here, memoized on their exact values (one entry per step and
+# parameter group). The checks of these arguments run whenever their values are new, with the messages
+# and in the order of the op's `check`.
+
+_MEMO_LIMIT = 256
+_memo: dict = {}
+
+
+def _memoized(key, compute):
+    found = _memo.get(key)
+    if found is None:
+        if len(_memo) >= _MEMO_LIMIT:
+            _memo.clear()
+        found = _memo[key] = compute()
+    return found
+
+
+# Positions of the per-call arguments in each schema (bnb_mps.registration.SCHEMAS).
+_DYNAMIC_8BIT = (5, 6, 7, 8, 9, 10, 11, 16, 17, 18)  # beta1 beta2 beta3 alpha eps step lr weight_decay gnorm_scale skip_zeros
+_DYNAMIC_32BIT = (7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)  # param_norm beta1 ... gnorm_scale skip_zeros
+_VALUES_8BIT = struct.Struct("<5dq3d?")
+_VALUES_32BIT = struct.Struct("<7dq2d?")
+
+
+def _dynamic_8bit(args, static_flags: int) -> tuple:
+    (beta1, beta2, beta3, alpha, eps, step, lr), (weight_decay, gnorm_scale) = args[5:12], args[16:18]
+    skip_zeros = args[18] if len(args) > 18 else False
+    try:
+        key = (static_flags, _VALUES_8BIT.pack(beta1, beta2, beta3, alpha, eps, step, lr, weight_decay, gnorm_scale,
+                                               skip_zeros))  # fmt: skip  (exact values, -0.0 apart from 0.0)
+    except struct.error:
+        key = None  # not numbers: the checks below say which
+
+    def compute() -> tuple:
+        op = "optimizer_update_8bit_blockwise"
+        v.integer(op, "step", step, minimum=1)
+        _finite_numbers(op, dict(beta1=beta1, beta2=beta2, beta3=beta3, alpha=alpha, eps=eps, lr=lr,
+                                 weight_decay=weight_decay, gnorm_scale=gnorm_scale))  # fmt: skip
+        flags = static_flags | (FIRST_STEP if step == 1 else 0) | (SKIP_ZEROS if skip_zeros else 0)
+        return (uint32(flags), *_hyper(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step))
+
+    return compute() if key is None else _memoized(key, compute)
+
+
+def _dynamic_32bit(args, static_flags: int) -> tuple:
+    max_unorm = args[6]
+    (param_norm, beta1, beta2, beta3, alpha, eps, weight_decay, step, lr, gnorm_scale) = args[7:17]
+    skip_zeros = args[17] if len(args) > 17 else False
+    try:
+        key = (static_flags, max_unorm, _VALUES_32BIT.pack(param_norm, beta1, beta2, beta3, alpha, eps, weight_decay,
+                                                           step, lr, gnorm_scale, skip_zeros))  # fmt: skip
+    except struct.error:
+        key = None
+
+    def compute() -> tuple:
+        op = "optimizer_update_32bit"
+        v.integer(op, "step", step, minimum=1)
+        _finite_numbers(op, dict(max_unorm=max_unorm, param_norm=param_norm, beta1=beta1, beta2=beta2, beta3=beta3,
+                                 alpha=alpha, eps=eps, weight_decay=weight_decay, lr=lr,
+                                 gnorm_scale=gnorm_scale))  # fmt: skip
+        flags = static_flags | (FIRST_STEP if step == 1 else 0) | (SKIP_ZEROS if skip_zeros else 0)
+        max_norm = float32(_f32(_f32(max_unorm) * _f32(param_norm))) if max_unorm > 0 else float32(0.0)
+        hyper = _hyper(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)
+        return (uint32(flags | (CLIP if max_unorm > 0 else 0)), *hyper, max_norm)
+
+    return compute() if key is None else _memoized(key, compute)
+
+
+_N_DYNAMIC_8BIT, _N_DYNAMIC_32BIT = 12, 13  # flags, 11 hyperparameter scalars (, max_norm)
+
+
+@planner("optimizer_update_8bit_blockwise", dynamic_positions=_DYNAMIC_8BIT, dynamic=_dynamic_8bit)
+def plan_optimizer_update_8bit_blockwise(
+    optimizer_name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1,
     absmax2, weight_decay, gnorm_scale, skip_zeros=False,
-) -> None:  # fmt: skip
+) -> Plan:  # fmt: skip
     op = "optimizer_update_8bit_blockwise"
     n = p.numel()
     mix = optimizer_name == "ademamix"
     check_size(op, "state1", n * (2 if mix else 1))
-    if n == 0:
-        return
-    nblocks = v.blocks(n, BLOCKSIZE)
-    absmax_m2 = absmax1.shape[1] if mix and absmax1.dim() == 2 else nblocks
-    inplace = _InPlace()
-    pb, s1, a1 = inplace.bind(p), inplace.bind(state1), inplace.bind(absmax1)
     two = OPTIMIZERS[optimizer_name] == 2
-    s2, a2 = (inplace.bind(state2), inplace.bind(absmax2)) if two else (s1, a1)
-    gb = flat(g)
-    q1 = flat(qmap1)
-    q2 = flat(qmap2) if two else q1
-    flags = _flags(step, skip_zeros, g=_vector_ok(gb), p=_vector_ok(pb), s1=_vector_ok(s1),
-                   s2=two and _vector_ok(s2), m2=mix and _m2_vector_ok(s1, n))  # fmt: skip
-    executor.launch(
+    b = PlanBuilder(p.device, op, n_dynamic=_N_DYNAMIC_8BIT)
+    b.dynamic_base = _flags(g=_vector_ok(g), p=_vector_ok(p), s1=_vector_ok(state1), s2=two and _vector_ok(state2),
+                            m2=mix and _m2_vector_ok(state1, n))  # fmt: skip
+    if n == 0:
+        return b.build()
+    absmax_m2 = absmax1.shape[1] if mix and absmax1.dim() == 2 else v.blocks(n, BLOCKSIZE)
+    pb, s1, a1 = inplace_arg(b, 2, p), inplace_arg(b, 3, state1), inplace_arg(b, 14, absmax1)
+    s2, a2 = (inplace_arg(b, 4, state2), inplace_arg(b, 15, absmax2)) if two else (s1, a1)
+    q1 = flat_arg(b, 12, qmap1)
+    q2 = flat_arg(b, 13, qmap2) if two else q1
+    b.launch(
         f"bnb_optimizer_8bit_{KERNEL_OPTIMIZER[optimizer_name]}_{DTYPE_NAMES[p.dtype]}",
-        grid=(groups_8bit(n), 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        args=[gb, pb, s1, s2, q1, q2, a1, a2, uint32(n), uint32(absmax_m2), uint32(flags),
-              *_hyper(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)],  # fmt: skip
-    )
-    inplace.finish()
+        (groups_8bit(n), 1, 1), (THREADS, 1, 1),
+        [flat_arg(b, 1, g), pb, s1, s2, q1, q2, a1, a2, uint32(n), uint32(absmax_m2),
+         *(b.dynamic(k) for k in range(_N_DYNAMIC_8BIT))],
+    )  # fmt: skip
+    return b.build()
 
 
-@kernel("optimizer_update_32bit")
-def optimizer_update_32bit_kernel(
-    executor, optimizer_name, g, p, state1, state2, unorm_vec, max_unorm, param_norm, beta1, beta2, beta3, alpha, eps,
+@planner("optimizer_update_32bit", dynamic_positions=_DYNAMIC_32BIT, dynamic=_dynamic_32bit)
+def plan_optimizer_update_32bit(
+    optimizer_name, g, p, state1, state2, unorm_vec, max_unorm, param_norm, beta1, beta2, beta3, alpha, eps,
     weight_decay, step, lr, gnorm_scale, skip_zeros=False,
-) -> None:  # fmt: skip
+) -> Plan:  # fmt: skip
     op = "optimizer_update_32bit"
     n = p.numel()
     mix = optimizer_name == "ademamix"
     check_size(op, "state1", n * (2 if mix else 1))
-    if n == 0:
-        return
-    clip = max_unorm > 0
-    inplace = _InPlace()
-    pb, s1 = inplace.bind(p), inplace.bind(state1)
     two = OPTIMIZERS[optimizer_name] == 2
-    s2 = inplace.bind(state2) if two else s1
-    gb = flat(g)
+    b = PlanBuilder(p.device, op, n_dynamic=_N_DYNAMIC_32BIT)
+    b.dynamic_base = _flags(g=_vector_ok(g), p=_vector_ok(p), s1=_vector_ok(state1), s2=two and _vector_ok(state2),
+                            m2=mix and _m2_vector_ok(state1, n))  # fmt: skip
+    if n == 0:
+        return b.build()
+    pb, s1 = inplace_arg(b, 2, p), inplace_arg(b, 3, state1)
+    s2 = inplace_arg(b, 4, state2) if two else s1
+    gb = flat_arg(b, 1, g)
     groups = groups_32bit(n)
-    flags = _flags(step, skip_zeros, g=_vector_ok(gb), p=_vector_ok(pb), s1=_vector_ok(s1),
-                   s2=two and _vector_ok(s2), m2=mix and _m2_vector_ok(s1, n))  # fmt: skip
-    hyper = _hyper(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step)
     name = f"{KERNEL_OPTIMIZER[optimizer_name]}_{DTYPE_NAMES[p.dtype]}"
-    geometry = dict(grid=(groups, 1, 1), threadgroup=(THREADS, 1, 1))
-    if clip:
-        unorm = inplace.bind(unorm_vec)
-        partials = torch.empty(groups, dtype=torch.float32, device=p.device)  # one float per threadgroup
-        max_norm = float32(_f32(_f32(max_unorm) * _f32(param_norm)))
-        common = [uint32(n), uint32(flags | CLIP), *hyper, max_norm]
-        executor.launch(f"bnb_optimizer_32bit_unorm_{name}", **geometry, args=[gb, pb, s1, s2, unorm, partials, *common])
-        executor.launch(f"bnb_optimizer_32bit_{name}", **geometry, args=[gb, pb, s1, s2, unorm, partials, *common])
+    geometry = ((groups, 1, 1), (THREADS, 1, 1))
+    flags, *hyper, max_norm = (b.dynamic(k) for k in range(_N_DYNAMIC_32BIT))
+    if max_unorm > 0:  # update-norm clipping: the norm pass, then the update
+        unorm = inplace_arg(b, 5, unorm_vec)
+        partials = b.output((groups,), torch.float32)  # one float per threadgroup
+        common = [uint32(n), flags, *hyper, max_norm]
+        b.launch(f"bnb_optimizer_32bit_unorm_{name}", *geometry, [gb, pb, s1, s2, unorm, partials, *common])
+        b.launch(f"bnb_optimizer_32bit_{name}", *geometry, [gb, pb, s1, s2, unorm, partials, *common])
     else:
-        executor.launch(f"bnb_optimizer_32bit_{name}", **geometry,
-                        args=[gb, pb, s1, s2, s1, s1, uint32(n), uint32(flags), *hyper, float32(0.0)])  # fmt: skip
-    inplace.finish()
+        b.launch(f"bnb_optimizer_32bit_{name}", *geometry, [gb, pb, s1, s2, s1, s1, uint32(n), flags, *hyper, max_norm])
+    return b.build()
+
+
+optimizer_update_8bit_blockwise_kernel = kernel_of("optimizer_update_8bit_blockwise")
+optimizer_update_32bit_kernel = kernel_of("optimizer_update_32bit")

@@ -4,7 +4,10 @@ Each op is known by its schema name ("quantize_4bit", "dequantize_4bit.out", ...
 - a `check` function whose signature mirrors the bitsandbytes schema and which raises
   ValueError/TypeError for bad input before anything is copied or launched;
 - optionally a `kernel` function, `kernel(executor, *args)`, that allocates outputs and launches
-  Metal kernels through an executor (native, shader or emulated tier).
+  Metal kernels through an executor (native, shader or emulated tier). Most ops declare a
+  planner instead (`planner`, bnb_mps.ops.plan): a function of the arguments' metadata that says
+  what the call allocates and launches; their `kernel` plans and runs, and the op layer keeps the
+  plans of repeated calls.
 Ops without a kernel are served by the CPU-transfer fallback. Registration with the dispatcher
 (`bnb_mps.registration`) only ever sees this table, so adding a kernel never touches it.
 """
@@ -29,6 +32,8 @@ class OpDef:
     composite: Optional[Callable[..., Any]] = None
     #: the schema's arguments (name, default), cached by `argument_spec`
     spec: Optional[tuple] = None
+    #: how the op plans its calls (bnb_mps.ops.plan.Planned), for ops declared with `planner`
+    planned: Optional[Any] = None
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -63,6 +68,27 @@ def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return fn
 
     return deco
+
+
+def planner(name: str, *, dynamic_positions=(), dynamic=None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Attach an op's planner, `fn(*args) -> bnb_mps.ops.plan.Plan` with the schema's arguments; the
+    op's kernel then plans and runs each call. `dynamic_positions` / `dynamic`: arguments taken per
+    call (left out of plan keys) and the function that checks them and returns their scalars."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        from .plan import Planned, execute
+
+        planned = Planned(fn, sum(1 << i for i in dynamic_positions), dynamic)
+        kernel(name)(lambda executor, *args: execute(planned, executor, args))
+        OPS[name].planned = planned
+        return fn
+
+    return deco
+
+
+def kernel_of(name: str) -> Callable[..., Any]:
+    """The kernel function of op `name`: `fn(executor, *args)`."""
+    return lambda executor, *args: OPS[name].kernel(executor, *args)
 
 
 def composite(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -45,6 +45,9 @@ class Route:
 _lock = threading.Lock()
 _routes: dict[str, Route] = {}
 _selection = None  # the executors.Selection the cached routes were computed for
+#: changes whenever cached routes are dropped or changed, so that what was planned for a route
+#: (bnb_mps.ops' launch plans) is dropped with it
+epoch = 0
 
 
 def bitsandbytes_mps_implementation(name: str) -> str | None:
@@ -89,12 +92,13 @@ def _past_our_kernels(name: str, why: str) -> Route:
 
 def route(name: str) -> Route:
     """The route of op `name` on mps (cached until the executors' selection changes)."""
-    global _selection
+    global _selection, epoch
     sel = executors.selection()
     with _lock:
         if sel is not _selection:
             _routes.clear()
             _selection = sel
+            epoch += 1
         found = _routes.get(name)
     if found is None:
         computed = _compute(name, sel)  # outside the lock: it may verify a kernel family (seconds)
@@ -105,8 +109,10 @@ def route(name: str) -> Route:
 
 def forget() -> None:
     """Drop the cached routes (after verification verdicts changed); they are computed again."""
+    global epoch
     with _lock:
         _routes.clear()
+        epoch += 1
 
 
 def refuse(name: str, limit: executors.PipelineLimitError) -> Route:
@@ -117,9 +123,11 @@ def refuse(name: str, limit: executors.PipelineLimitError) -> Route:
     route holds until the executors' selection changes."""
     why = (f"kernel {limit.kernel}: its pipeline allows at most {limit.maximum} threads per threadgroup, the op "
            f"launches {limit.threads}, so the whole op leaves bnb_mps' kernels")
+    global epoch
     found = _past_our_kernels(name, why)
     sel = executors.selection()
     with _lock:
         if sel is _selection:  # (else the cached routes are stale already: nothing to keep)
             _routes[name] = found
+        epoch += 1
     return found
