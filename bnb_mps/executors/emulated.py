@@ -71,30 +71,43 @@ class UnitLibraries:
         return kernel in self.units.unit_of
 
 
-_compiled: dict[tuple[str, str], object] = {}  # (unit, text) -> its emulator Library, for the process
+_compiled: dict[str, object] = {}  # unit text -> its emulator Library, or the CompileError it raised
+_compiled_lock = threading.Lock()
 _compile_lock = threading.Lock()
+
+
+def compile_unit(name: str, text: str):
+    """The emulator Library of one compile unit's text (`name`: the unit, for messages), compiled
+    once per process: a text that did not compile raises its CompileError (or PrepassError) again."""
+    from .. import emulator
+
+    with _compiled_lock:
+        found = _compiled.get(text)
+    if found is None:
+        try:
+            found = emulator.Library(text, name=f"{name}.metal")
+        except (emulator.CompileError, emulator.PrepassError) as e:
+            found = e
+        with _compiled_lock:
+            found = _compiled.setdefault(text, found)
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 def unit_libraries(units: Mapping[str, str] | None = None) -> UnitLibraries:
     """The emulator Libraries of `units` ({name: text}; default: `bnb_mps.msl.source.units()`).
-    Each unit text is compiled once per process (and its module cached on disk by the emulator), so
-    the executor and the tests share them, and pointing BNB_MPS_KERNEL_DIR at a copy with one
-    changed file recompiles that file's unit only."""
+    Each unit text is compiled once per process (`compile_unit`; its module is also cached on disk by
+    the emulator), so the executor and the tests share them, and pointing BNB_MPS_KERNEL_DIR at a
+    copy with one changed file compiles that file's unit only. Units not compiled yet are compiled
+    side by side, one per CPU core."""
     from .. import emulator
     from ..msl import source as kernel_source
 
     if units is None:
         units = kernel_source.units()
-
-    def compile_unit(name: str, text: str):
-        found = _compiled.get((name, text))
-        if found is None:
-            found = emulator.Library(text, name=f"{name}.metal")
-            _compiled[(name, text)] = found
-        return found
-
     with _compile_lock:
-        missing = sum((name, text) not in _compiled for name, text in units.items())
+        missing = sum(text not in _compiled for text in units.values())
         return UnitLibraries(CompileUnits.compile(units, compile_unit, lambda lib: lib.kernels,
                                                   (emulator.CompileError, emulator.PrepassError),
                                                   workers=min(missing, os.cpu_count() or 1)))  # fmt: skip

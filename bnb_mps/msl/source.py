@@ -139,6 +139,7 @@ _KERNEL_NAMES = re.compile(r'(?:BNB_KERNEL_INSTANTIATE|host_name)\s*\(\s*"([^"]*
                            r'(?:\[\[\s*kernel\s*\]\]|\bkernel)\s+void\s+(\w+)')
 
 
+@functools.lru_cache(maxsize=64)
 def kernel_name_prefixes(text: str) -> frozenset[str]:
     """Prefixes of the kernel names a unit's source text defines (comments ignored): a failed unit's
     kernels cannot be listed by a compiler, so a kernel is attributed to the failed unit whose text
