@@ -158,7 +158,9 @@ def choose_library(embedded: str, current: str | None, metallib: Path | None,
             "the native library was built without kernel sources (csrc/kernels had no .metal "
             f"files at build time) and none are installed now; rebuild it: {BUILD_HINT}"
         )
-    pins_more = runtime_version is not None and tuple(runtime_version) >= PINNED_MATH_LANGUAGE_VERSION
+    # (the run-time compile pins the math mode, the metallib's language version does not)
+    pins_more = runtime_version is not None and tuple(runtime_version) >= PINNED_MATH_LANGUAGE_VERSION > \
+        METALLIB_LANGUAGE_VERSION
     if metallib is not None and metallib.is_file() and not pins_more:
         return ("metallib", str(metallib))
     return ("source", embedded)
