@@ -236,7 +236,8 @@ def fake_native_module(tmp_path, *, embedded="EMB", metallib_ok=True, compile_er
     return module, calls
 
 
-UNITS = {"alpha": "kernel void bnb_alpha_f16() {}\nkernel void bnb_alpha_f32() {}\n", "beta": "kernel void bnb_beta() {}\n"}
+UNITS = {"alpha": "kernel void bnb_alpha_f16() {}\nkernel void bnb_alpha_f32() {}\n",
+         "beta": "kernel void bnb_beta() {}\n"}
 
 
 def installed(monkeypatch, units):
@@ -313,7 +314,8 @@ def test_the_tier_is_unavailable_when_no_unit_compiles(tmp_path, monkeypatch):
     assert "error: one" in str(info.value) and "error: two" in str(info.value)
 
 
-@pytest.mark.parametrize("version, kind", [((3, 1), "metallib"), (None, "metallib"), ((3, 2), "source"), ((4, 0), "source")])
+@pytest.mark.parametrize("version, kind",
+                         [((3, 1), "metallib"), (None, "metallib"), ((3, 2), "source"), ((4, 0), "source")])
 def test_the_metallib_serves_only_where_the_run_time_compile_would_not_pin_the_math_mode(tmp_path, version, kind):
     """The metallib is Metal 3.1 (the source's math-mode pragmas compiled out); where the run-time
     compile requests 3.2 or later (macOS 15 on) the source is compiled instead."""

@@ -311,7 +311,8 @@ class StandInCompiler:
 
 
 UNITS = {
-    "alpha": 'BNB_KERNEL_INSTANTIATE("bnb_alpha_" #t, f, t)\nkernel void bnb_alpha_f16() {}\nkernel void bnb_alpha_f32() {}\n',
+    "alpha": ('BNB_KERNEL_INSTANTIATE("bnb_alpha_" #t, f, t)\n'
+              "kernel void bnb_alpha_f16() {}\nkernel void bnb_alpha_f32() {}\n"),
     "beta": "kernel void bnb_beta() {}\n",
 }
 

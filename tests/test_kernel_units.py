@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import operator
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -251,10 +252,9 @@ def emulated_native_module():
     def load_metallib(path):
         raise RuntimeError("no metallib here")
 
-    return type("StandInNative", (), {"__file__": "/nonexistent/_native.so", "embedded_source": staticmethod(lambda: ""),
-                                      "compile_library": staticmethod(EmulatedNativeLibrary),
-                                      "load_metallib": staticmethod(load_metallib),
-                                      "language_version": staticmethod(lambda: (3, 2))})  # fmt: skip
+    return types.SimpleNamespace(__file__="/nonexistent/_native.so", embedded_source=lambda: "",
+                                 compile_library=EmulatedNativeLibrary, load_metallib=load_metallib,
+                                 language_version=lambda: (3, 2))
 
 
 def shader_stand_in(monkeypatch):

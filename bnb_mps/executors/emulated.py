@@ -4,9 +4,9 @@ BNB_MPS_EXECUTOR=emulated. Tensors must be CPU tensors (the op layer's CPU-key p
 
 Each compile unit (`bnb_mps.msl.source.units()`, one per `.metal` file) is one emulator Library,
 compiled on first use (`UnitLibraries`; units not yet compiled in this process are compiled side by
-side, one per CPU core, each a load from the emulator's on-disk module cache where that holds it). A unit that does not compile makes only its own kernels
-unavailable: their launches raise bnb_mps.executors.base.KernelUnavailable with the compiler's
-message, the other units' kernels run.
+side, one per CPU core, each a load from the emulator's on-disk module cache where that holds it).
+A unit that does not compile makes only its own kernels unavailable: their launches raise
+bnb_mps.executors.base.KernelUnavailable with the compiler's message, the other units' kernels run.
 
 Detection settings apply to every launch of the process-wide executor; tests change them with
 
