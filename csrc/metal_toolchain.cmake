@@ -7,7 +7,12 @@
 # library built for it is only loadable from macOS 14 on. (On older systems the native library
 # compiles its embedded source instead, without the bfloat kernels.) At metal3.1 the kernels'
 # `#pragma METAL fp` lines (csrc/kernels/bnb_math_mode.h, Metal >= 3.2) are compiled out: safe math
-# comes from -fno-fast-math.
+# comes from -fno-fast-math, an option of the offline compiler that the Metal Shading Language
+# specification documents (its "Compiler Options", math intrinsics options). No Apple document found
+# for this project lists -ffp-contract for the `metal` compiler, so it is not passed: contraction is
+# whatever -fno-fast-math leaves it. Where that matters the run time does better: from macOS 15 the
+# native library compiles the source at Metal 3.2 (pragmas applied, contraction off) instead of
+# loading this metallib (bnb_mps/executors/native.py, choose_library).
 set(BNB_MPS_METAL_STD "metal3.1")
 set(BNB_MPS_METAL_MACOS_MIN "14.0")
 set(BNB_MPS_METAL_FLAGS -std=${BNB_MPS_METAL_STD} -mmacosx-version-min=${BNB_MPS_METAL_MACOS_MIN} -fno-fast-math)

@@ -8,7 +8,14 @@
 # (csrc/kernels, via bnb_mps/executors/_embed_kernels.py) as a generated header; build the module
 # as Objective-C++ with ARC against torch's headers (including torch's bundled pybind11, so the
 # module matches torch's); when `xcrun metal` exists, also build a .metallib of the same source
-# that the module prefers to load at run time.
+# that the module prefers to load at run time where it is current and the run-time compile would
+# not pin more (macOS 14; bnb_mps/executors/native.py, choose_library).
+#
+# Compile units: at run time the kernel source is compiled one compile unit (one .metal file with
+# its includes) at a time, so that a unit that does not compile takes out only its own kernels. The
+# offline metallib stays one library of the whole amalgamation: built here, with the build's own
+# compiler, it either holds every kernel or is not built (a warning), and at run time a metallib
+# that does not load falls back to compiling the units one by one.
 
 if(NOT APPLE)
   message(FATAL_ERROR "bnb_mps: COMPUTE_BACKEND=mps builds the Metal executor and needs macOS with "

@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace bnb_mps {
@@ -59,8 +60,10 @@ struct PipelineInfo {
 
 class KernelLibrary {
  public:
-  // Compiles MSL source at run time with safe math (no fast-math) and MSL >= 3.1 where the OS
-  // has it. Throws std::runtime_error with the compiler's message on failure.
+  // Compiles MSL source at run time with safe math (no fast-math), at Metal 3.2 from macOS 15 on
+  // (where the source's `#pragma METAL fp` lines apply) and 3.1 on macOS 14 (see
+  // compile_language_version). Throws std::runtime_error with the compiler's message on failure.
+  // The Python side calls it once per compile unit (one .metal file with its includes inlined).
   static std::shared_ptr<KernelLibrary> compile(const std::string& source);
 
   // Loads a .metallib built offline (xcrun metal). Throws std::runtime_error on failure.
@@ -92,6 +95,10 @@ class KernelLibrary {
   explicit KernelLibrary(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// The Metal language version KernelLibrary::compile requests on this OS, {major, minor}: {3, 2} from
+// macOS 15 on, {3, 1} on macOS 14, {0, 0} (the OS compiler's default) before.
+std::pair<int, int> compile_language_version();
 
 // The kernel amalgamation embedded at build time (empty if the build saw no kernel files).
 std::string_view embedded_kernel_source();

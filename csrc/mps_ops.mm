@@ -56,6 +56,34 @@ id<MTLDevice> metal_device() {
   return device;
 }
 
+// The Metal language version compile() requests, applied to `options` (when given) and returned as
+// {major, minor} ({0, 0}: the OS compiler's default, before macOS 14). What each gives:
+// - macOS 15 and later: Metal 3.2, which compiles the kernel source's `#pragma METAL fp
+//   math_mode(safe)` and `#pragma METAL fp contract(off)` (kernels/bnb_math_mode.h, Metal >= 3.2):
+//   safe math from both the pragmas and use_safe_math below, and no contraction of a * b + c into a
+//   fused multiply-add. MTLLanguageVersion3_2 exists from the macOS 15 SDK on (__MAC_15_0).
+// - macOS 14: Metal 3.1 (the first with bfloat), where those pragmas are compiled out: safe math
+//   from use_safe_math alone (fastMathEnabled = NO); contraction is what the compiler's safe mode
+//   allows (the optimizer update keeps its own no-contraction, kernels/optimizer.h).
+// Not yet run on a Mac: the acceptance run (scripts/mac_acceptance.sh) is the check.
+std::pair<int, int> request_language_version(MTLCompileOptions* options) {
+#if defined(__MAC_15_0)
+  if (@available(macOS 15.0, *)) {
+    if (options != nil) {
+      options.languageVersion = MTLLanguageVersion3_2;
+    }
+    return {3, 2};
+  }
+#endif
+  if (@available(macOS 14.0, *)) {
+    if (options != nil) {
+      options.languageVersion = MTLLanguageVersion3_1;
+    }
+    return {3, 1};
+  }
+  return {0, 0};
+}
+
 // Quantization must not depend on the compiler's math mode: no fast-math, precise functions.
 // mathMode exists from the macOS 15 SDK on (whose headers define __MAC_15_0) and macOS 15 at run
 // time; before that, fastMathEnabled = NO is the same request.
@@ -161,11 +189,7 @@ std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source)
     }
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
     use_safe_math(options);
-    if (@available(macOS 14.0, *)) {
-      // bfloat. At 3.1 the source's `#pragma METAL fp` lines (kernels/bnb_math_mode.h, Metal >= 3.2)
-      // are compiled out: safe math comes from use_safe_math above.
-      options.languageVersion = MTLLanguageVersion3_1;
-    }
+    request_language_version(options);  // 3.2 from macOS 15 on (the source's math-mode pragmas apply), else 3.1
     NSError* error = nil;
     id<MTLLibrary> library = [metal_device() newLibraryWithSource:text options:options error:&error];
     if (library == nil) {
@@ -256,6 +280,10 @@ void KernelLibrary::launch(const std::string& kernel, const Dim3& grid, const Di
   if (failure) {
     std::rethrow_exception(failure);
   }
+}
+
+std::pair<int, int> compile_language_version() {
+  return request_language_version(nil);
 }
 
 std::string_view embedded_kernel_source() {
@@ -353,13 +381,26 @@ PYBIND11_MODULE(_native, m) {
       [](const std::string& source) {
         return translate_errors([&] { return bnb_mps::KernelLibrary::compile(source); });
       },
-      py::arg("source"), "Compile MSL source (safe math) into a KernelLibrary.");
+      py::arg("source"),
+      "Compile MSL source (safe math; Metal 3.2 from macOS 15 on, else 3.1) into a KernelLibrary. "
+      "bnb_mps.executors.native calls it once per kernel compile unit.");
   m.def(
       "load_metallib",
       [](const std::string& path) {
         return translate_errors([&] { return bnb_mps::KernelLibrary::load_metallib(path); });
       },
       py::arg("path"), "Load a .metallib built offline into a KernelLibrary.");
+  m.def(
+      "language_version",
+      []() -> py::object {
+        const auto version = bnb_mps::compile_language_version();
+        if (version.first == 0) {
+          return py::none();
+        }
+        return py::make_tuple(version.first, version.second);
+      },
+      "The Metal language version compile_library requests here, (major, minor), or None for the OS's "
+      "default.");
   m.def(
       "embedded_source", [] { return std::string(bnb_mps::embedded_kernel_source()); },
       "The kernel amalgamation embedded at build time ('' if the build saw no kernels).");

@@ -44,10 +44,10 @@ def pytest_sessionfinish(session, exitstatus):
     if not session.config.getoption("--kernel-coverage") or exitstatus != 0:
         return
     from bnb_mps import emulator
-    from bnb_mps.msl import source
+    from bnb_mps.executors import emulated
 
     try:
-        kernels = set(emulator.load(source.source()).kernels)
+        kernels = set(emulated.unit_libraries().kernels)  # (the session's compiled units)
     except emulator.EmulatorError as e:
         _coverage_report.append((f"kernel coverage: not checked, no emulator here ({e})", False))
         return
@@ -83,14 +83,21 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def library():
-    """The project's kernel library under the emulator, built once per test session."""
+    """The project's kernels under the emulator, one emulator Library per compile unit built once per
+    test session (shared with the emulated executor), used as one library of all kernels: `launch`,
+    `profile`, `kernels` dispatch by kernel name (bnb_mps.executors.emulated.UnitLibraries)."""
     from bnb_mps import emulator
-    from bnb_mps.msl import source
+    from bnb_mps.executors import emulated
 
     try:
-        return emulator.load(source.source())
+        emulator.library._runtime()
     except emulator.EmulatorError as e:  # the runtime extension is not built here
         pytest.skip(str(e))
+    libraries = emulated.unit_libraries()
+    if libraries.failures:  # the project's own kernels must compile
+        pytest.fail("kernel compile units that do not compile under the emulator:\n"
+                    + "\n".join(f"{u}.metal: {m}" for u, m in libraries.failures.items()), pytrace=False)
+    return libraries
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ Apple headers. The `mps` tests launch a real kernel on a Mac with the module bui
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch
 
 from bnb_mps.msl import source as kernel_source
 from bnb_mps.executors import _embed_kernels, native
-from bnb_mps.executors.base import ExecutorUnavailable, PipelineLimitError
+from bnb_mps.executors.base import ExecutorUnavailable, KernelUnavailable, PipelineLimitError
 from bnb_mps.kernel_args import Scalar, float16, float32, int64, uint32
 from geometry_kernel import GEOMETRY_KERNEL, GEOMETRY_SCALARS, expected_geometry_output
 
@@ -36,12 +37,13 @@ class RecordingLibrary:
 
     origin = "source"
 
-    def __init__(self, simd_width: int = 32) -> None:
+    def __init__(self, simd_width: int = 32, names=("bnb_b", "bnb_a")) -> None:
         self.calls = []
         self.simd_width = simd_width
+        self.names = list(names)
 
     def function_names(self):
-        return ["bnb_b", "bnb_a"]
+        return list(self.names)
 
     def pipeline_info(self, kernel):
         return {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": self.simd_width,
@@ -199,9 +201,13 @@ def test_no_kernels_anywhere_is_unavailable_with_a_rebuild_hint():
     assert native.choose_library("", "fresh", None) == ("source", "fresh")
 
 
-def fake_native_module(tmp_path, *, embedded="EMB", metallib_ok=True, compile_error=None):
-    """A stand-in for the built module: records which loader was called with what."""
+def fake_native_module(tmp_path, *, embedded="EMB", metallib_ok=True, compile_error=None, language_version=None):
+    """A stand-in for the built module: records which loader was called with what. compile_library
+    makes a library of the `kernel void <name>(` of its text (the default names for a text without
+    any), and raises the Metal compiler's RuntimeError for a text holding `@error <log>` (or for
+    every text, with `compile_error`)."""
     calls = []
+    libraries = []
 
     def load_metallib(path):
         calls.append(("metallib", path))
@@ -213,23 +219,127 @@ def fake_native_module(tmp_path, *, embedded="EMB", metallib_ok=True, compile_er
         calls.append(("compile", source))
         if compile_error is not None:
             raise RuntimeError(compile_error)
-        return RecordingLibrary()
+        if "@error" in source:
+            raise RuntimeError("the Metal compiler rejected the kernel source: " + source.split("@error", 1)[1].strip())
+        names = re.findall(r"kernel void (\w+)\(", source)
+        libraries.append(RecordingLibrary(names=names) if names else RecordingLibrary())
+        return libraries[-1]
 
     module = types.SimpleNamespace(
         __file__=str(tmp_path / "_native.so"),
         embedded_source=lambda: embedded,
         load_metallib=load_metallib,
         compile_library=compile_library,
+        language_version=lambda: language_version,
+        libraries=libraries,
     )
     return module, calls
 
 
-def test_a_bad_metallib_falls_back_to_the_embedded_source(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "current_kernel_source", lambda: "EMB")
+UNITS = {"alpha": "kernel void bnb_alpha_f16() {}\nkernel void bnb_alpha_f32() {}\n",
+         "beta": "kernel void bnb_beta() {}\n"}
+
+
+def installed(monkeypatch, units):
+    """Pretend the installation's kernel files are `units` (their amalgamation: "CURRENT")."""
+    monkeypatch.setattr(native, "current_kernel_source", lambda: "CURRENT" if units is not None else None)
+    monkeypatch.setattr(native, "current_kernel_units", lambda: units)
+
+
+def test_a_bad_metallib_falls_back_to_compiling_each_unit(tmp_path, monkeypatch):
+    installed(monkeypatch, UNITS)
     (tmp_path / native.METALLIB_NAME).write_bytes(b"junk")
-    module, calls = fake_native_module(tmp_path, metallib_ok=False)
-    native._open_library(module)
-    assert calls == [("metallib", str(tmp_path / native.METALLIB_NAME)), ("compile", "EMB")]
+    module, calls = fake_native_module(tmp_path, embedded="CURRENT", metallib_ok=False)
+    units = native._open_library(module)
+    assert calls == [("metallib", str(tmp_path / native.METALLIB_NAME)), ("compile", UNITS["alpha"]),
+                     ("compile", UNITS["beta"])]  # fmt: skip
+    assert units.unit_of == {"bnb_alpha_f16": "alpha", "bnb_alpha_f32": "alpha", "bnb_beta": "beta"}
+
+
+def test_the_current_metallib_is_loaded_as_one_library_of_every_kernel(tmp_path, monkeypatch):
+    installed(monkeypatch, UNITS)
+    (tmp_path / native.METALLIB_NAME).write_bytes(b"MTLB")
+    module, calls = fake_native_module(tmp_path, embedded="CURRENT", language_version=(3, 1))
+    ex = native.NativeExecutor(native._open_library(module))
+    assert calls == [("metallib", str(tmp_path / native.METALLIB_NAME))]
+    ex.launch("bnb_a", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+    assert ex._library.calls[0][0] == "bnb_a" and ex.unit_failures == {}
+
+
+def test_without_kernel_files_the_embedded_text_is_compiled_as_one_unit(tmp_path, monkeypatch):
+    installed(monkeypatch, None)
+    module, calls = fake_native_module(tmp_path, embedded="EMB")
+    units = native._open_library(module)
+    assert calls == [("compile", "EMB")] and list(units.libraries) == [native.EMBEDDED_UNIT]
+
+
+def test_each_unit_is_its_own_library_and_launches_go_to_the_kernels_unit(tmp_path, monkeypatch):
+    installed(monkeypatch, UNITS)
+    module, _ = fake_native_module(tmp_path, embedded="CURRENT")
+    ex = native.NativeExecutor(native._open_library(module))
+    alpha, beta = module.libraries
+    ex.launch("bnb_beta", grid=(1, 1, 1), threadgroup=(2, 1, 1), args=[uint32(9)])
+    ex.launch("bnb_alpha_f32", grid=(3, 1, 1), threadgroup=(4, 1, 1), args=[])
+    assert beta.calls == [("bnb_beta", (1, 1, 1), (2, 1, 1), [uint32(9).to_bytes()])]
+    assert alpha.calls == [("bnb_alpha_f32", (3, 1, 1), (4, 1, 1), [])]
+    assert ex.pipeline_info("bnb_beta")["thread_execution_width"] == 32
+    with pytest.raises(ValueError, match="'bnb_gamma' is not in the bnb_mps kernel library"):
+        ex.launch("bnb_gamma", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+
+
+def test_a_unit_that_does_not_compile_takes_out_only_its_own_kernels(tmp_path, monkeypatch):
+    log = "program_source:4:2: error: unknown type name 'flaot'\n" + "note: more\n" * 40
+    installed(monkeypatch, {**UNITS, "beta": UNITS["beta"] + "@error " + log})
+    module, _ = fake_native_module(tmp_path, embedded="CURRENT")
+    ex = native.NativeExecutor(native._open_library(module))  # one unit compiled: the tier stays
+    (alpha,) = module.libraries
+    assert set(ex.unit_failures) == {"beta"}
+    with pytest.raises(KernelUnavailable) as info:
+        ex.launch("bnb_beta", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+    assert info.value.units == ("beta",)
+    first = str(info.value).splitlines()[0]
+    assert "bnb_beta" in first and "beta.metal" in first and "unknown type name 'flaot'" in first
+    with pytest.raises(KernelUnavailable):
+        ex.pipeline_info("bnb_beta")
+    ex.launch("bnb_alpha_f16", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+    assert [c[0] for c in alpha.calls] == ["bnb_alpha_f16"]
+
+
+def test_the_tier_is_unavailable_when_no_unit_compiles(tmp_path, monkeypatch):
+    installed(monkeypatch, {"alpha": "@error a.metal:1:1: error: one", "beta": "@error b.metal:1:1: error: two"})
+    module, _ = fake_native_module(tmp_path, embedded="CURRENT")
+    with pytest.raises(ExecutorUnavailable) as info:
+        native._open_library(module)
+    assert "does not compile for Metal" in str(info.value)
+    assert "error: one" in str(info.value) and "error: two" in str(info.value)
+
+
+@pytest.mark.parametrize("version, kind",
+                         [((3, 1), "metallib"), (None, "metallib"), ((3, 2), "source"), ((4, 0), "source")])
+def test_the_metallib_serves_only_where_the_run_time_compile_would_not_pin_the_math_mode(tmp_path, version, kind):
+    """The metallib is Metal 3.1 (the source's math-mode pragmas compiled out); where the run-time
+    compile requests 3.2 or later (macOS 15 on) the source is compiled instead."""
+    metallib = tmp_path / native.METALLIB_NAME
+    metallib.write_bytes(b"MTLB")
+    assert native.choose_library("same", "same", metallib, version)[0] == kind
+
+
+def test_the_run_time_language_version_is_the_modules_answer(tmp_path):
+    assert native.runtime_language_version(fake_native_module(tmp_path, language_version=(3, 2))[0]) == (3, 2)
+    assert native.runtime_language_version(fake_native_module(tmp_path, language_version=None)[0]) is None
+    assert native.runtime_language_version(types.SimpleNamespace()) is None  # a module built before it said
+
+
+def test_the_compile_requests_metal_3_2_from_macos_15_and_3_1_on_macos_14():
+    """What csrc/mps_ops.mm asks of Metal (the syntax check below parses both branches): 3.2 only
+    inside the macOS 15 availability check, 3.1 inside the macOS 14 one, and compile() uses it."""
+    text = (ROOT / "csrc" / "mps_ops.mm").read_text()
+    body = text[text.index("request_language_version(MTLCompileOptions* options) {"):]
+    body = body[: body.index("\n}\n")]
+    at15, at14 = body.index("@available(macOS 15.0, *)"), body.index("@available(macOS 14.0, *)")
+    assert at15 < body.index("MTLLanguageVersion3_2") < at14 < body.index("MTLLanguageVersion3_1")
+    compile_body = text[text.index("KernelLibrary::compile(const std::string& source) {"):]
+    assert "request_language_version(options);" in compile_body[: compile_body.index("\n}\n")]
 
 
 @pytest.mark.parametrize("width", [32, 64, 16])
@@ -243,7 +353,7 @@ def test_a_gpu_with_another_simd_width_disables_the_tier(tmp_path, monkeypatch, 
     )  # fmt: skip
     monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=module.__file__))
     monkeypatch.setattr(native.importlib, "import_module", lambda name: module)
-    monkeypatch.setattr(native, "current_kernel_source", lambda: None)
+    installed(monkeypatch, None)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     if width == 32:
         assert native.load().name == "native"
@@ -253,7 +363,7 @@ def test_a_gpu_with_another_simd_width_disables_the_tier(tmp_path, monkeypatch, 
 
 
 def test_a_compile_error_disables_the_tier_with_the_compiler_message(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "current_kernel_source", lambda: None)
+    installed(monkeypatch, None)
     log = "the Metal compiler rejected the kernel source: program_source:3:1: error: unknown type 'flaot'\n"
     module, _ = fake_native_module(tmp_path, compile_error=log + "note\n" * 100)
     with pytest.raises(ExecutorUnavailable) as info:
@@ -389,3 +499,4 @@ def test_native_tier_loads_the_project_kernels():
     ex = native.load()
     assert ex.name == "native"
     assert ex.origin == "source" or ex.origin.startswith("metallib:")
+    assert ex.unit_failures == {}  # every compile unit compiled

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import struct
 import warnings
 
@@ -19,7 +20,7 @@ import torch
 
 from bnb_mps.msl import source as kernel_source
 from bnb_mps.executors import shader
-from bnb_mps.executors.base import ExecutorUnavailable, PipelineLimitError
+from bnb_mps.executors.base import CompileUnits, ExecutorUnavailable, KernelUnavailable, PipelineLimitError
 from bnb_mps.kernel_args import Scalar, bool_, float16, float32, int32, int64, uint32, uint64
 from geometry_kernel import GEOMETRY_KERNEL, GEOMETRY_SCALARS, expected_geometry_output
 
@@ -266,8 +267,8 @@ def _pretend_mps(monkeypatch, compile_shader):
     monkeypatch.setattr(torch.mps, "compile_shader", compile_shader)
 
 
-def test_load_compiles_the_kernel_source_once(monkeypatch):
-    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k() {}\n")
+def test_load_compiles_each_unit_once(monkeypatch):
+    monkeypatch.setattr(kernel_source, "units", lambda: {"k": "kernel void k() {}\n"})
     seen = []
 
     def compile_shader(source):
@@ -282,7 +283,7 @@ def test_load_compiles_the_kernel_source_once(monkeypatch):
 
 @pytest.mark.parametrize("width", [32, 64])
 def test_a_gpu_with_another_simd_width_disables_the_tier(monkeypatch, width):
-    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k() {}\n")
+    monkeypatch.setattr(kernel_source, "units", lambda: {"k": "kernel void k() {}\n"})
     library = FakeLibrary(["k"])
     monkeypatch.setattr(FakeKernel, "thread_execution_width", width, raising=False)
     _pretend_mps(monkeypatch, lambda source: library)
@@ -293,8 +294,91 @@ def test_a_gpu_with_another_simd_width_disables_the_tier(monkeypatch, width):
             shader.load()
 
 
+class StandInCompiler:
+    """compile_shader for stand-in units: a text `kernel void <name>() {}` per line compiles to a
+    FakeLibrary of those names; a text holding `@error <message>` raises SyntaxError(<message>), as
+    torch does for a compile error."""
+
+    def __init__(self) -> None:
+        self.libraries: list = []
+
+    def __call__(self, source: str):
+        if "@error" in source:
+            raise SyntaxError(source.split("@error", 1)[1].strip())
+        library = FakeLibrary(re.findall(r"kernel void (\w+)\(", source))
+        self.libraries.append(library)
+        return library
+
+
+UNITS = {
+    "alpha": ('BNB_KERNEL_INSTANTIATE("bnb_alpha_" #t, f, t)\n'
+              "kernel void bnb_alpha_f16() {}\nkernel void bnb_alpha_f32() {}\n"),
+    "beta": "kernel void bnb_beta() {}\n",
+}
+
+
+def test_each_unit_is_its_own_library_and_kernels_are_looked_up_in_theirs(monkeypatch):
+    monkeypatch.setattr(kernel_source, "units", lambda: dict(UNITS))
+    compiler = StandInCompiler()
+    _pretend_mps(monkeypatch, compiler)
+    ex = shader.load()
+    alpha, beta = compiler.libraries
+    assert sorted(dir(alpha)) == ["bnb_alpha_f16", "bnb_alpha_f32"] and dir(beta) == ["bnb_beta"]
+    ex.__class__ = CpuShaderExecutor  # (CPU tensors stand in for mps ones)
+    ex.launch("bnb_beta", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[uint32(3)])
+    ex.launch("bnb_alpha_f32", grid=(2, 1, 1), threadgroup=(4, 1, 1), args=[])
+    assert [c["kernel"] for c in beta.calls] == ["bnb_beta"] and [c["kernel"] for c in alpha.calls] == ["bnb_alpha_f32"]
+    assert ex.unit_failures == {}
+
+
+def test_a_unit_that_does_not_compile_takes_out_only_its_own_kernels(monkeypatch):
+    log = "program_source:2:9: error: use of undeclared identifier 'flaot'\n" + "note: more\n" * 40
+    monkeypatch.setattr(kernel_source, "units", lambda: {**UNITS, "alpha": UNITS["alpha"] + "@error " + log})
+    compiler = StandInCompiler()
+    _pretend_mps(monkeypatch, compiler)
+    ex = shader.load()  # the tier stays available: one unit compiled
+    (beta,) = compiler.libraries
+    assert set(ex.unit_failures) == {"alpha"} and "undeclared identifier 'flaot'" in ex.unit_failures["alpha"]
+    ex.__class__ = CpuShaderExecutor
+    with pytest.raises(KernelUnavailable) as info:
+        ex.launch("bnb_alpha_f16", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+    e = info.value
+    assert (e.kernel, e.units) == ("bnb_alpha_f16", ("alpha",))
+    first = str(e).splitlines()[0]  # what verification records: kernel, unit and the compiler's error line
+    assert "bnb_alpha_f16" in first and "alpha.metal" in first and "undeclared identifier 'flaot'" in first
+    assert "more lines" in str(e) and str(e).count("note: more") < 40
+    ex.launch("bnb_beta", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])  # the other unit's kernel runs
+    assert [c["kernel"] for c in beta.calls] == ["bnb_beta"]
+    # A name in no compiled unit may be the failed unit's (its kernels cannot be listed): unavailable too.
+    with pytest.raises(KernelUnavailable, match="alpha.metal"):
+        ex.launch("bnb_gamma", grid=(1, 1, 1), threadgroup=(1, 1, 1), args=[])
+
+
+def test_a_kernel_is_attributed_to_the_failed_unit_whose_text_names_it():
+    units = {"quant": 'BNB_KERNEL_INSTANTIATE("bnb_quantize_4bit_" #q, bnb_quantize_4bit, q)\n',
+             "gemm": "[[kernel]] void bnb_quantize_4bit(device float* x) {}\n"
+                     'BNB_KERNEL_INSTANTIATE("bnb_gemv_4bit_" #s, bnb_gemv_4bit, s)\n'}  # fmt: skip
+    failed = CompileUnits({}, {}, {"gemm": "gemm.metal:1:1: error: one", "quant": "quant.metal:1:1: error: two"}, units)
+    # both texts name bnb_quantize_4bit*; the instantiation's literal host-name prefix is the more specific
+    assert failed.unavailable("bnb_quantize_4bit_nf4_f16_64").units == ("quant",)
+    assert "error: two" in str(failed.unavailable("bnb_quantize_4bit_nf4_f16_64")).splitlines()[0]
+    assert failed.unavailable("bnb_gemv_4bit_nested_f16").units == ("gemm",)
+    assert failed.unavailable("bnb_other").units == ("gemm", "quant")  # named by neither: either may hold it
+    assert CompileUnits({}, {}, {}, units).unavailable("bnb_other") is None  # nothing failed: an unknown kernel
+
+
+def test_the_tier_is_unavailable_when_no_unit_compiles(monkeypatch):
+    monkeypatch.setattr(kernel_source, "units", lambda: {"a": "@error a.metal:1:1: error: one",
+                                                         "b": "@error b.metal:2:2: error: two"})
+    _pretend_mps(monkeypatch, StandInCompiler())
+    with pytest.raises(ExecutorUnavailable) as info:
+        shader.load()
+    message = str(info.value)
+    assert "rejected every kernel compile unit" in message and "error: one" in message and "error: two" in message
+
+
 def test_compile_error_becomes_unavailable_with_the_message(monkeypatch):
-    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k( {}\n")
+    monkeypatch.setattr(kernel_source, "units", lambda: {"k": "kernel void k( {}\n"})
     log = "program_source:1:15: error: expected parameter declarator\n" + "note: more\n" * 40
 
     def compile_shader(source):
@@ -312,7 +396,7 @@ def test_missing_kernel_sources_become_unavailable(monkeypatch):
     def no_sources():
         raise FileNotFoundError("bnb_mps kernel sources not found")
 
-    monkeypatch.setattr(kernel_source, "source", no_sources)
+    monkeypatch.setattr(kernel_source, "units", no_sources)
     _pretend_mps(monkeypatch, lambda source: pytest.fail("must not compile"))
     with pytest.raises(ExecutorUnavailable, match="kernel sources not found"):
         shader.load()
@@ -366,7 +450,7 @@ def _fast_math_warnings(monkeypatch, macos, version, value, loads=2):
         monkeypatch.delenv(shader.FAST_MATH_ENV, raising=False)
     else:
         monkeypatch.setenv(shader.FAST_MATH_ENV, value)
-    monkeypatch.setattr(kernel_source, "source", lambda: "kernel void k() {}\n")
+    monkeypatch.setattr(kernel_source, "units", lambda: {"k": "kernel void k() {}\n"})
     _pretend_mps(monkeypatch, lambda source: FakeLibrary(["k"]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -56,3 +56,40 @@ def test_the_source_pins_safe_math_and_no_contraction_before_any_kernel_code():
     # and nothing later loosens it again
     loosening = re.compile(r"#\s*pragma\s+(METAL|clang)\s+fp\b.*\b(fast|relaxed|on)\b")
     assert not [line for line in code if loosening.search(line)]
+
+
+def test_each_metal_file_is_a_compile_unit_with_its_own_includes(tmp_path):
+    write(tmp_path, "common.h", "#pragma once\ninline float two() { return 2.0f; }\n")
+    write(tmp_path, "mid.h", '#pragma once\n#include "common.h"\ninline float four() { return two() * two(); }\n')
+    write(tmp_path, "a.metal", '#include "mid.h"\n#include "common.h"\nkernel void a() {}\n')
+    write(tmp_path, "b.metal", '#include "common.h"\nkernel void b() {}\n')
+    units = kernel_source.split_units(tmp_path)
+    assert list(units) == ["a", "b"]
+    a, b = units["a"], units["b"]
+    # each unit inlines every header it reaches, once, whatever the other units include
+    assert a.count("inline float two()") == 1 and a.count("inline float four()") == 1 and "kernel void b" not in a
+    assert b.count("inline float two()") == 1 and "four" not in b and "kernel void a" not in b
+    la, lb = a.splitlines(), b.splitlines()
+    assert la[0] == '#line 1 "a.metal"' and lb[0] == '#line 1 "b.metal"'
+    assert la[la.index("inline float two() { return 2.0f; }") - 2] == '#line 1 "common.h"'
+    assert la[la.index("kernel void a() {}") - 1] == '#line 3 "a.metal"'
+    assert units == {p.stem: kernel_source.unit_text(p) for p in sorted(tmp_path.glob("*.metal"))}
+
+
+def test_a_unit_with_a_missing_include_or_non_ascii_text_is_refused(tmp_path):
+    write(tmp_path, "a.metal", '#include "nope.h"\n')
+    with pytest.raises(FileNotFoundError, match=r"a.metal:1: .*nope.h"):
+        kernel_source.split_units(tmp_path)
+    write(tmp_path, "a.metal", "// caf\u00e9\n")
+    with pytest.raises(ValueError, match="a.metal must be ASCII"):
+        kernel_source.split_units(tmp_path)
+
+
+def test_kernel_name_prefixes_are_read_from_the_text_without_comments():
+    text = ('// BNB_KERNEL_INSTANTIATE("bnb_commented_", f, t)\n'
+            'BNB_KERNEL_INSTANTIATE("bnb_inst_" #t, f, t)\n'
+            'template [[host_name("bnb_host")]] [[kernel]] decltype(f<1>) f<1>;\n'
+            "[[kernel]] void bnb_plain(device float* x) {}\n"
+            "kernel void bnb_old_style() {}\n"
+            "#define BNB_KERNEL_INSTANTIATE(host, fn, ...) template [[host_name(host)]] [[kernel]] decltype(fn)\n")  # fmt: skip
+    assert kernel_source.kernel_name_prefixes(text) == {"bnb_inst_", "bnb_host", "bnb_plain", "bnb_old_style"}

@@ -1,11 +1,15 @@
 """Build-time writer of the kernel source for the native library.
 
-The native executor compiles the same amalgamation as every other tier (`bnb_mps.msl.source.amalgamate`).
-CMake runs this file with the build's Python to write
+The native library carries the kernel amalgamation as of its build (`bnb_mps.msl.source.amalgamate`):
+at run time it tells whether the installed kernel files changed since (then the offline metallib is
+stale), and it is what an installation without kernel files compiles. CMake runs this file with the
+build's Python to write
 
 - a C++ header holding that text as a byte array (`kBnbMpsKernelSource`, `kBnbMpsKernelSourceSize`),
   compiled into `bnb_mps._native`; and, when asked,
-- the amalgamation as one `.metal` file, the input of an offline `xcrun metal` build.
+- the amalgamation as one `.metal` file, the input of an offline `xcrun metal` build (one metallib
+  of every kernel; at run time the source is compiled per compile unit instead, see
+  bnb_mps/executors/native.py).
 
 It loads `msl/source.py` by path instead of importing the `bnb_mps` package, so that nothing
 beyond the standard library is needed at build time. Files are rewritten only when their content

@@ -2,6 +2,12 @@
 emulator (bnb_mps.emulator). Used by the tests on every OS; selectable for debugging with
 BNB_MPS_EXECUTOR=emulated. Tensors must be CPU tensors (the op layer's CPU-key path).
 
+Each compile unit (`bnb_mps.msl.source.units()`, one per `.metal` file) is one emulator Library,
+compiled on first use (`UnitLibraries`; units not yet compiled in this process are compiled side by
+side, one per CPU core, each a load from the emulator's on-disk module cache where that holds it).
+A unit that does not compile makes only its own kernels unavailable: their launches raise
+bnb_mps.executors.base.KernelUnavailable with the compiler's message, the other units' kernels run.
+
 Detection settings apply to every launch of the process-wide executor; tests change them with
 
     with bnb_mps.executors.emulated.settings(order="reverse", race_check=True, poison=0x00):
@@ -14,10 +20,97 @@ Detection settings apply to every launch of the process-wide executor; tests cha
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
-from .base import Dim3, ExecutorUnavailable, KernelArg
+from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg
+
+
+class UnitLibraries:
+    """The project's kernels under the emulator, one emulator Library per compile unit, used as one
+    library of all kernels: `launch`, `profile`, `kernels` and `in` dispatch by kernel name to the
+    unit that defines it (as `bnb_mps.emulator.Library` does for one source). A kernel of a unit that
+    did not compile raises KernelUnavailable; a kernel of no unit, the emulator's KernelError."""
+
+    name = "bnb_mps kernels"
+
+    def __init__(self, units: CompileUnits) -> None:
+        self.units = units
+        self.failures: dict[str, str] = units.failures  # unit -> the compiler's message
+
+    def library(self, kernel: str):
+        """The unit Library that holds `kernel`."""
+        try:
+            return self.units.library_of(kernel)
+        except KeyError:
+            pass
+        unavailable = self.units.unavailable(kernel)
+        if unavailable is not None:
+            raise unavailable
+        from ..emulator import KernelError
+
+        names = self.kernels
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        raise KernelError(f"kernel '{kernel}' is not in {self.name} (kernels: {shown or 'none'})", kernel=kernel)
+
+    def launch(self, kernel: str, **kwargs) -> None:
+        """`bnb_mps.emulator.Library.launch` of the unit that defines `kernel`."""
+        self.library(kernel).launch(kernel, **kwargs)
+
+    def profile(self, kernel: str, **kwargs):
+        """`bnb_mps.emulator.Library.profile` of the unit that defines `kernel`."""
+        return self.library(kernel).profile(kernel, **kwargs)
+
+    @property
+    def kernels(self) -> list[str]:
+        """Every kernel of the units that compiled, sorted."""
+        return self.units.kernels()
+
+    def __contains__(self, kernel: str) -> bool:
+        return kernel in self.units.unit_of
+
+
+_compiled: dict[str, object] = {}  # unit text -> its emulator Library, or the CompileError it raised
+_compiled_lock = threading.Lock()
+_compile_lock = threading.Lock()
+
+
+def compile_unit(name: str, text: str):
+    """The emulator Library of one compile unit's text (`name`: the unit, for messages), compiled
+    once per process: a text that did not compile raises its CompileError (or PrepassError) again."""
+    from .. import emulator
+
+    with _compiled_lock:
+        found = _compiled.get(text)
+    if found is None:
+        try:
+            found = emulator.Library(text, name=f"{name}.metal")
+        except (emulator.CompileError, emulator.PrepassError) as e:
+            found = e
+        with _compiled_lock:
+            found = _compiled.setdefault(text, found)
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def unit_libraries(units: Mapping[str, str] | None = None) -> UnitLibraries:
+    """The emulator Libraries of `units` ({name: text}; default: `bnb_mps.msl.source.units()`).
+    Each unit text is compiled once per process (`compile_unit`; its module is also cached on disk by
+    the emulator), so the executor and the tests share them, and pointing BNB_MPS_KERNEL_DIR at a
+    copy with one changed file compiles that file's unit only. Units not compiled yet are compiled
+    side by side, one per CPU core."""
+    from .. import emulator
+    from ..msl import source as kernel_source
+
+    if units is None:
+        units = kernel_source.units()
+    with _compile_lock:
+        missing = sum(text not in _compiled for text in units.values())
+        return UnitLibraries(CompileUnits.compile(units, compile_unit, lambda lib: lib.kernels,
+                                                  (emulator.CompileError, emulator.PrepassError),
+                                                  workers=min(missing, os.cpu_count() or 1)))  # fmt: skip
 
 
 class EmulatedExecutor:
@@ -30,24 +123,24 @@ class EmulatedExecutor:
         self.poison = 0xFF
         self.seed = 0
         self.float_mode: str | None = None
-        self._library = None
-        self._text: str | None = None  # the source the library was compiled from
+        self._library: UnitLibraries | None = None
+        self._units = None  # the unit texts the library was compiled from
         self._lock = threading.Lock()
 
-    def _load(self):
-        """Compiles the kernel source (once per source text: BNB_MPS_KERNEL_DIR may point elsewhere
-        later in the process); a missing source is reported at launch."""
+    def _load(self) -> UnitLibraries:
+        """Compiles the kernel source's units (once per source: BNB_MPS_KERNEL_DIR may point
+        elsewhere later in the process); a missing source is reported at launch."""
         from .. import emulator
         from ..msl import source as kernel_source
 
         try:
-            text = kernel_source.source()
+            units = kernel_source.units()
         except (FileNotFoundError, ValueError) as e:
             raise emulator.KernelError(f"no kernel source to run: {e}") from None
         with self._lock:
-            if self._library is None or self._text is not text:
-                self._library = emulator.Library(text, name="bnb_mps kernels")
-                self._text = text
+            if self._library is None or self._units is not units:
+                self._library = unit_libraries(units)
+                self._units = units
             return self._library
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:

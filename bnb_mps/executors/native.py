@@ -2,9 +2,30 @@
 
 The library is built on macOS with `COMPUTE_BACKEND=mps`. It holds the kernel amalgamation as of
 the build (and, when Xcode's `metal` was present, a prebuilt `bnb_mps_kernels.metallib` of it),
-compiles it once with safe math, caches pipelines and encodes on PyTorch's MPS stream. This module
-decides which kernel source to use, validates launch geometry and turns Scalars into their bytes;
-everything else happens in C++.
+compiles Metal source with safe math (`compile_library(text)`), caches pipelines and encodes on
+PyTorch's MPS stream. This module decides which kernels to load, validates launch geometry and
+turns Scalars into their bytes; everything else happens in C++.
+
+Which kernels (`choose_library`): the offline metallib, one library of every kernel, where it is
+current (built from the kernel files installed now) and the run-time compile would not pin more
+than it does (Metal 3.1, macOS 14: see "Math mode" below); otherwise the kernel source, compiled at
+first use one compile unit at a time (`bnb_mps.msl.source.units()`, one per `.metal` file; one
+`compile_library` each, the kernel names mapped here to the library of their unit). A unit that does
+not compile makes only its own kernels unavailable (their launches raise KernelUnavailable with the
+compiler's message); the tier is unavailable only when no unit compiles. A metallib that does not
+load falls back to the units. Only an installation without kernel files (which the package layout
+never produces) compiles the amalgamation embedded at build time, as one unit.
+
+Math mode (what each path asks of Metal; none of it has been run on a Mac yet):
+- run-time compile, macOS 15 and later: Metal 3.2 (`language_version()` of the module says what
+  it requests), mathMode safe and precise math functions, and the kernel source's `#pragma METAL fp
+  math_mode(safe)` / `contract(off)` (csrc/kernels/bnb_math_mode.h) apply: no fast math and no
+  contraction of a * b + c into a fused multiply-add;
+- run-time compile, macOS 14: Metal 3.1 with fastMathEnabled = NO (safe math); the pragmas are
+  compiled out, so contraction is whatever the compiler's safe mode allows (the optimizer update
+  keeps its own no-contraction, optimizer.h);
+- offline metallib: -std=metal3.1 -fno-fast-math (csrc/metal_toolchain.cmake), the same as the
+  macOS 14 compile; so from macOS 15 on the source is compiled instead.
 """
 
 from __future__ import annotations
@@ -12,15 +33,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
 from ._gpu_common import check_geometry, check_simd_width, first_lines, mps_unavailable_reason
-from .base import Dim3, ExecutorUnavailable, KernelArg
+from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg
 
 BUILD_HINT = (
     "on an Apple Silicon Mac, from the bnb-mps source checkout with torch installed, run "
@@ -31,6 +53,13 @@ METALLIB_NAME = "bnb_mps_kernels.metallib"
 NATIVE_MODULE = "bnb_mps._native"
 #: written next to the module by the build (csrc/mps.cmake): the torch it was compiled against
 BUILD_RECORD = "_native_build.json"
+#: The Metal language version of the offline metallib (csrc/metal_toolchain.cmake: -std=metal3.1),
+#: and the first one at which the kernel source pins its math mode (csrc/kernels/bnb_math_mode.h).
+METALLIB_LANGUAGE_VERSION = (3, 1)
+PINNED_MATH_LANGUAGE_VERSION = (3, 2)
+#: The unit name of the amalgamation embedded at build time, compiled only where no kernel files are
+#: installed (the name of the file the build writes it to, bnb_mps_kernels.metal).
+EMBEDDED_UNIT = "bnb_mps_kernels"
 
 
 class NativeExecutor:
@@ -38,9 +67,32 @@ class NativeExecutor:
     device_type = "mps"  # where its tensors live
 
     def __init__(self, library) -> None:
-        self._library = library
-        self._launch = library.launch  # bound once: one attribute lookup less per launch
-        self.origin: str = library.origin
+        """`library`: the compiled units (CompileUnits of `_native.KernelLibrary` objects), or one
+        KernelLibrary that holds every kernel (the offline metallib; a library compiled from one
+        text). A kernel in neither goes to that one library, which raises ValueError naming it."""
+        if isinstance(library, CompileUnits):
+            self._units: Optional[CompileUnits] = library
+            self.origin: str = "source"
+            # kernel -> its unit library's launch, bound once: one dict lookup per launch
+            self._launchers = {kernel: library.libraries[unit].launch for kernel, unit in library.unit_of.items()}
+            self._other = self._unknown
+        else:
+            self._units = None
+            self.origin = library.origin
+            self._launchers = {}
+            self._other = library.launch
+            self._library = library
+
+    @property
+    def unit_failures(self) -> dict[str, str]:
+        """The compile units that did not compile here, with the compiler's message."""
+        return dict(self._units.failures) if self._units is not None else {}
+
+    def _unknown(self, kernel: str, *_) -> None:
+        unavailable = self._units.unavailable(kernel)
+        if unavailable is not None:
+            raise unavailable
+        raise ValueError(f"kernel {kernel!r} is not in the bnb_mps kernel library ({self.origin})")
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
         if not check_geometry(grid, threadgroup):
@@ -48,12 +100,19 @@ class NativeExecutor:
         # Scalars travel as their exact bytes (setBytes); tensors as they are (the C++ side checks
         # that they are on mps and binds them at storage_offset * element_size, and raises
         # PipelineLimitError before encoding when the pipeline allows fewer threads than asked).
-        self._launch(kernel, grid, threadgroup, [a.to_bytes() if isinstance(a, Scalar) else a for a in args])
+        self._launchers.get(kernel, self._other)(kernel, grid, threadgroup,
+                                                 [a.to_bytes() if isinstance(a, Scalar) else a for a in args])
 
     def pipeline_info(self, kernel: str) -> dict:
         """Metal's limits for `kernel`: max_total_threads_per_threadgroup, thread_execution_width,
         static_threadgroup_memory_length."""
-        return self._library.pipeline_info(kernel)
+        if self._units is None:
+            return self._library.pipeline_info(kernel)
+        try:
+            library = self._units.library_of(kernel)
+        except KeyError:
+            self._unknown(kernel)
+        return library.pipeline_info(kernel)
 
 
 def current_kernel_source() -> str | None:
@@ -64,13 +123,33 @@ def current_kernel_source() -> str | None:
         return None
 
 
-def choose_library(embedded: str, current: str | None, metallib: Path | None) -> tuple[str, str]:
+def current_kernel_units() -> Mapping[str, str] | None:
+    """The compile units of the kernel source in this installation now, or None without kernel files."""
+    try:
+        return kernel_source.units()
+    except FileNotFoundError:
+        return None
+
+
+def runtime_language_version(native) -> tuple[int, int] | None:
+    """The Metal language version the module's `compile_library` requests on this OS, (major,
+    minor), or None for the OS's default (or a module too old to say)."""
+    ask = getattr(native, "language_version", None)
+    version = ask() if ask is not None else None
+    return tuple(version) if version else None
+
+
+def choose_library(embedded: str, current: str | None, metallib: Path | None,
+                   runtime_version: tuple[int, int] | None = None) -> tuple[str, str]:
     """Which kernel library the native tier loads: ("metallib", path) or ("source", text).
 
     The native tier must run the same kernels as every other tier. When the installation's kernel
     files differ from what the library embedded at build time (kernels edited in a checkout since
     the last build), compile the current text; otherwise prefer the prebuilt metallib (built
-    from the embedded text), then the embedded text.
+    from the embedded text), then the embedded text. The metallib is built for Metal 3.1, where
+    the source's math-mode pragmas are compiled out: where the run-time compile requests a version
+    that has them (`runtime_version` >= 3.2, macOS 15 and later), the source is compiled instead.
+    ("source" is compiled one compile unit at a time from the installed files, see `_open_library`.)
     """
     if current is not None and current != embedded:
         return ("source", current)
@@ -79,27 +158,39 @@ def choose_library(embedded: str, current: str | None, metallib: Path | None) ->
             "the native library was built without kernel sources (csrc/kernels had no .metal "
             f"files at build time) and none are installed now; rebuild it: {BUILD_HINT}"
         )
-    if metallib is not None and metallib.is_file():
+    # (the run-time compile pins the math mode, the metallib's language version does not)
+    pins_more = runtime_version is not None and tuple(runtime_version) >= PINNED_MATH_LANGUAGE_VERSION > \
+        METALLIB_LANGUAGE_VERSION
+    if metallib is not None and metallib.is_file() and not pins_more:
         return ("metallib", str(metallib))
     return ("source", embedded)
 
 
 def _open_library(native):
+    """The metallib (one KernelLibrary), or the compile units (CompileUnits)."""
     embedded = native.embedded_source()
     try:
         current = current_kernel_source()
+        units = current_kernel_units() if current is not None else None
     except (OSError, ValueError) as e:
         raise ExecutorUnavailable(f"cannot read the kernel sources: {e}") from None
-    kind, what = choose_library(embedded, current, Path(native.__file__).with_name(METALLIB_NAME))
+    kind, what = choose_library(embedded, current, Path(native.__file__).with_name(METALLIB_NAME),
+                                runtime_language_version(native))  # fmt: skip
     if kind == "metallib":
         try:
             return native.load_metallib(what)
         except RuntimeError:
-            what = embedded  # a stale or foreign metallib: the embedded text is the same kernels
-    try:
-        return native.compile_library(what)
-    except (RuntimeError, ValueError) as e:
-        raise ExecutorUnavailable(f"the kernel source does not compile for Metal:\n{first_lines(e)}") from None
+            pass  # a stale or foreign metallib: the source is the same kernels
+    if units is None:  # no kernel files installed: the text embedded at build time, as one unit
+        units = {EMBEDDED_UNIT: embedded}
+    compiled = CompileUnits.compile(units, lambda name, text: native.compile_library(text),
+                                    lambda library: library.function_names(), (RuntimeError, ValueError))  # fmt: skip
+    if not compiled.libraries:
+        raise ExecutorUnavailable(
+            f"the kernel source does not compile for Metal (no compile unit does):\n"
+            f"{first_lines(compiled.describe_failures())}"
+        )
+    return compiled
 
 
 def running_torch() -> tuple[str, bool]:
@@ -147,7 +238,11 @@ def load() -> NativeExecutor:
         )
     if not torch.backends.mps.is_available():
         raise ExecutorUnavailable(f"MPS is not available: {mps_unavailable_reason()}")
-    library = _open_library(_native)
-    probe = min(library.function_names())  # one pipeline: the width is a property of the GPU
-    check_simd_width(library.pipeline_info(probe)["thread_execution_width"], probe)
-    return NativeExecutor(library)
+    executor = NativeExecutor(_open_library(_native))
+    # one pipeline: the width is a property of the GPU
+    names = executor._units.kernels() if executor._units is not None else executor._library.function_names()
+    if not names:
+        raise ExecutorUnavailable("the kernel source defines no kernels")
+    probe = min(names)
+    check_simd_width(executor.pipeline_info(probe)["thread_execution_width"], probe)
+    return executor

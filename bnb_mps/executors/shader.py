@@ -1,5 +1,10 @@
 """The shader tier: the project's kernel source through `torch.mps.compile_shader` (nothing to build).
 
+One compile_shader library per compile unit (`bnb_mps.msl.source.units()`, one per `.metal` file);
+each kernel is looked up in the library of its unit. A unit that does not compile makes only its
+own kernels unavailable (their launches raise KernelUnavailable with torch's message); the tier is
+unavailable only when no unit compiles.
+
 How torch binds a kernel call `lib.<kernel>(*args, threads=, group_size=, arg_casts=)`, as read in
 torch/csrc/mps/Module.cpp and aten/src/ATen/native/mps/MetalShaderLibrary.mm:
   - argument i binds to [[buffer(i)]];
@@ -54,7 +59,7 @@ from ..msl import source as kernel_source
 from ..kernel_args import Scalar
 from ._gpu_common import (MAX_THREADS_PER_THREADGROUP, check_geometry, check_simd_width, first_lines,
                           mps_unavailable_reason)
-from .base import Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError
+from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError
 
 # Versions, checked in the released macOS arm64 wheels (the strings of libtorch_python.dylib):
 # torch 2.6.0 already has the kernel call with `threads`, `group_size` and `arg_casts` (casts
@@ -134,16 +139,29 @@ class ShaderExecutor:
     _on_device = operator.attrgetter("is_mps")
 
     def __init__(self, library) -> None:
-        self._library = library
-        self._names = frozenset(dir(library))  # the library's kernel function names
+        """`library`: the compiled units (CompileUnits of compile_shader libraries, what load()
+        makes), or one compile_shader library that holds every kernel."""
+        if not isinstance(library, CompileUnits):
+            library = CompileUnits({"": library}, dict.fromkeys(dir(library), ""), {})
+        self._units = library
         self._kernels: dict = {}  # kernel -> (function, its pipeline's max threads per threadgroup)
+
+    @property
+    def unit_failures(self) -> dict[str, str]:
+        """The compile units that did not compile here, with the compiler's message."""
+        return dict(self._units.failures)
 
     def _kernel(self, kernel: str) -> tuple:
         found = self._kernels.get(kernel)
         if found is None:
-            if kernel not in self._names:
-                raise ValueError(f"kernel {kernel!r} is not in the bnb_mps kernel library")
-            fn = getattr(self._library, kernel)
+            try:
+                library = self._units.library_of(kernel)  # the library of the unit that defines it
+            except KeyError:
+                unavailable = self._units.unavailable(kernel)
+                if unavailable is not None:
+                    raise unavailable from None
+                raise ValueError(f"kernel {kernel!r} is not in the bnb_mps kernel library") from None
+            fn = getattr(library, kernel)
             # The pipeline's maxTotalThreadsPerThreadgroup, read once (torch's kernel function
             # reports it next to thread_execution_width; were it missing, Metal's general limit,
             # and torch's own check at dispatch has the last word).
@@ -193,18 +211,22 @@ def load() -> ShaderExecutor:
     if not torch.backends.mps.is_available():
         raise ExecutorUnavailable(f"MPS is not available: {mps_unavailable_reason()}")
     try:
-        source = kernel_source.source()
+        sources = kernel_source.units()
     except (OSError, ValueError) as e:
         raise ExecutorUnavailable(f"cannot read the kernel sources: {e}") from None
-    try:
-        library = torch.mps.compile_shader(source)
-    except Exception as e:  # torch raises SyntaxError for compile errors, RuntimeError otherwise
+    # One library per compile unit: a unit that does not compile takes only its own kernels out
+    # (their launches raise KernelUnavailable; first-use verification fails their families).
+    # torch raises SyntaxError for compile errors, RuntimeError otherwise.
+    units = CompileUnits.compile(sources, lambda name, text: torch.mps.compile_shader(text), dir)
+    if not units.libraries:
         raise ExecutorUnavailable(
-            f"torch.mps.compile_shader rejected the kernel source:\n{first_lines(e)}"
-        ) from None
+            f"torch.mps.compile_shader rejected every kernel compile unit:\n{first_lines(units.describe_failures())}"
+        )
     warn_if_fast_math(_macos_version(), torch_version())
-    probe = min(dir(library))  # one pipeline: the width is a property of the GPU
-    width = getattr(getattr(library, probe), "thread_execution_width", None)  # (torch >= 2.7 reports it)
+    if not units.unit_of:
+        raise ExecutorUnavailable("the kernel source defines no kernels")
+    probe = min(units.unit_of)  # one pipeline: the width is a property of the GPU
+    width = getattr(getattr(units.library_of(probe), probe), "thread_execution_width", None)  # (torch >= 2.7)
     if width is not None:
         check_simd_width(width, probe)
-    return ShaderExecutor(library)
+    return ShaderExecutor(units)

@@ -1,10 +1,18 @@
-"""The project's Metal kernel source, as one translation unit.
+"""The project's Metal kernel source: its compile units, and all of it as one text.
 
 Kernels live in `csrc/kernels/`: `*.h` headers hold templated kernel bodies, `*.metal` files
 instantiate them. Metal's runtime compiler (`newLibraryWithSource`, `torch.mps.compile_shader`)
-cannot resolve local includes, so every executor compiles the same amalgamation: all `.metal`
-files in name order with their local `#include "..."` lines inlined once, each piece preceded by
-a `#line` directive so that compiler errors and emulator reports name the original file and line.
+cannot resolve local includes, so sources are handed to it with their local `#include "..."`
+lines inlined, each piece preceded by a `#line` directive so that compiler errors and emulator
+reports name the original file and line.
+
+- `units()`: every executor tier compiles each `.metal` file (with its includes inlined) as a compile
+  unit of its own, named after the file (`quantize_8bit`, `quantize_4bit`, `gemm_4bit`, `int8`,
+  `optimizer`), and looks each kernel up in the unit that defines it. A unit that does not compile
+  takes only its own kernels out of service (bnb_mps.executors.base.KernelUnavailable), not the tier.
+- `source()`: the amalgamation, all `.metal` files in name order with each header inlined once: one
+  text for what wants one (the source hash, the native library's embedded copy and its offline
+  metallib, tools).
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ import functools
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -68,6 +78,12 @@ def _inline(path: Path, seen: set[Path], line_directives: bool) -> list[str]:
     return out
 
 
+def _ascii(text: str, what: str) -> str:
+    if not text.isascii():
+        raise ValueError(f"{what} must be ASCII (torch.mps.compile_shader requires it)")
+    return text
+
+
 def amalgamate(directory: Path | str | None = None, *, line_directives: bool = True) -> str:
     """All kernels of `directory` (default: the project's) as one ASCII MSL source string."""
     directory = Path(directory) if directory is not None else kernel_dir()
@@ -76,10 +92,22 @@ def amalgamate(directory: Path | str | None = None, *, line_directives: bool = T
     for path in sorted(directory.glob("*.metal")):
         seen.add(path.resolve())
         lines.extend(_inline(path, seen, line_directives))
-    text = "\n".join(lines) + "\n"
-    if not text.isascii():
-        raise ValueError("kernel source must be ASCII (torch.mps.compile_shader requires it)")
-    return text
+    return _ascii("\n".join(lines) + "\n", "kernel source")
+
+
+def unit_text(path: Path | str, *, line_directives: bool = True) -> str:
+    """One compile unit: the `.metal` file at `path` with its local includes inlined (each header
+    once), as ASCII MSL source."""
+    path = Path(path)
+    lines = _inline(path, {path.resolve()}, line_directives)
+    return _ascii("\n".join(lines) + "\n", f"kernel source {path.name}")
+
+
+def split_units(directory: Path | str | None = None, *, line_directives: bool = True) -> dict[str, str]:
+    """The compile units of `directory` (default: the project's): {name: text} for each `.metal`
+    file in name order, the name being the file's stem."""
+    directory = Path(directory) if directory is not None else kernel_dir()
+    return {path.stem: unit_text(path, line_directives=line_directives) for path in sorted(directory.glob("*.metal"))}
 
 
 def source() -> str:
@@ -93,7 +121,36 @@ def _source_of(directory: Path) -> str:
     return amalgamate(directory)
 
 
+def units() -> Mapping[str, str]:
+    """The compile units of `kernel_dir()`, {name: text} in name order (read-only), read once per
+    directory per process: the same object until $BNB_MPS_KERNEL_DIR names another directory."""
+    return _units_of(kernel_dir())
+
+
+@functools.cache
+def _units_of(directory: Path) -> Mapping[str, str]:
+    return MappingProxyType(split_units(directory))
+
+
+# What a unit's text says about the kernels it defines, without compiling it: the host names of
+# its instantiations as far as they are literal ("bnb_quantize_4bit_" of
+# BNB_KERNEL_INSTANTIATE("bnb_quantize_4bit_" #qname ...)), and the names of its kernel functions.
+_KERNEL_NAMES = re.compile(r'(?:BNB_KERNEL_INSTANTIATE|host_name)\s*\(\s*"([^"]*)"|'
+                           r'(?:\[\[\s*kernel\s*\]\]|\bkernel)\s+void\s+(\w+)')
+
+
+@functools.lru_cache(maxsize=64)
+def kernel_name_prefixes(text: str) -> frozenset[str]:
+    """Prefixes of the kernel names a unit's source text defines (comments ignored): a failed unit's
+    kernels cannot be listed by a compiler, so a kernel is attributed to the failed unit whose text
+    names it most specifically (`bnb_mps.executors.base.CompileUnits`)."""
+    from .text import strip_comments
+
+    return frozenset(a or b for a, b in _KERNEL_NAMES.findall(strip_comments(text)) if a or b)
+
+
 def source_hash(text: str | None = None) -> str:
     """A short digest of the kernel source (`source()` by default): what a compiled kernel, or a
-    verification verdict, was made from."""
+    verification verdict, was made from. The amalgamation holds every `.metal` file and every header
+    they include, so the digest changes whenever any file that a unit compiles changes."""
     return hashlib.sha256((source() if text is None else text).encode()).hexdigest()[:16]
