@@ -8,7 +8,6 @@ wrappers, and tensors, as launch arguments. This module knows Metal types, nothi
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 # MSL scalar type -> struct format (little-endian, as on every Apple GPU and on x86-64/arm64).
 _FORMATS = {
@@ -26,27 +25,53 @@ _FORMATS = {
 }
 
 
-@dataclass(frozen=True)
-class Scalar:
-    """A scalar bound to a `constant T&` kernel parameter; `type` is the MSL type name."""
+class Scalar(bytes):
+    """A scalar bound to a `constant T&` kernel parameter: exactly the bytes of the MSL type `type`
+    holding `value` (little-endian). It is those bytes (a `bytes` object), so that an executor binds
+    it as it is, with nothing to convert per launch.
 
-    value: int | float | bool
-    type: str
+    Two Scalars are equal when their types and bytes are; a Scalar equals its own bytes. Immutable."""
 
-    def __post_init__(self) -> None:
-        if self.type not in _FORMATS:
-            raise ValueError(f"type must be one of {sorted(_FORMATS)}, got {self.type!r}")
-        self.to_bytes()  # range check now, not at launch time
+    def __new__(cls, value: int | float | bool, type: str) -> "Scalar":
+        fmt = _FORMATS.get(type) if isinstance(type, str) else None
+        if fmt is None:
+            raise ValueError(f"type must be one of {sorted(_FORMATS)}, got {type!r}")
+        try:
+            raw = struct.pack(fmt, value)  # range check now, not at launch time
+        except (struct.error, OverflowError) as e:
+            raise ValueError(f"{value!r} does not fit the Metal type {type}: {e}") from None
+        self = super().__new__(cls, raw)
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "type", type)
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Scalar is immutable (cannot set {name!r})")
+
+    def __eq__(self, other):
+        if isinstance(other, Scalar):
+            return self.type == other.type and bytes.__eq__(self, other)
+        return bytes.__eq__(self, other)
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = bytes.__hash__
+
+    def __repr__(self) -> str:
+        return f"Scalar(value={self.value!r}, type={self.type!r})"
+
+    def __reduce__(self):
+        return (Scalar, (self.value, self.type))
 
     def to_bytes(self) -> bytes:
-        try:
-            return struct.pack(_FORMATS[self.type], self.value)
-        except (struct.error, OverflowError) as e:
-            raise ValueError(f"{self.value!r} does not fit the Metal type {self.type}: {e}") from None
+        """The bytes alone (a plain `bytes` object)."""
+        return bytes(self)
 
     @property
     def nbytes(self) -> int:
-        return struct.calcsize(_FORMATS[self.type])
+        return len(self)
 
 
 def uint32(v: int) -> Scalar:

@@ -135,6 +135,29 @@ def test_launch_forwards_tensors_and_scalar_bytes_in_order():
     assert [len(a) for a in args[1:]] == [4, 2, 8, 4, 1]
 
 
+def test_a_prepared_launch_checks_its_geometry_once_and_forwards_its_arguments_as_they_are(monkeypatch):
+    """prepare(): what a launch plan keeps. The geometry is checked when the launch is prepared (a
+    bad one raises there); each call forwards the arguments object itself, Scalars being their bytes."""
+    lib = RecordingLibrary()
+    ex = native.NativeExecutor(lib)
+    checks = []
+    real = native.check_geometry
+    monkeypatch.setattr(native, "check_geometry", lambda g, t: checks.append((g, t)) or real(g, t))
+    run = ex.prepare("k", [4, 1, 2], (64, 2, 1))
+    x = torch.zeros(4)
+    for n in range(3):
+        args = (x, uint32(n), float16(-2.0))
+        run(args)
+        assert lib.calls[-1][3] is args
+    assert checks == [([4, 1, 2], (64, 2, 1))]
+    assert [c[:3] for c in lib.calls] == [("k", (4, 1, 2), (64, 2, 1))] * 3
+    assert lib.calls[-1][3][1] == (2).to_bytes(4, "little") and isinstance(lib.calls[-1][3][1], bytes)
+    with pytest.raises(ValueError, match="at most 1024"):
+        ex.prepare("k", (1, 1, 1), (1024, 2, 1))
+    ex.prepare("k", (0, 1, 1), (32, 1, 1))((x,))  # an empty grid: nothing launched
+    assert len(lib.calls) == 3
+
+
 @pytest.mark.parametrize("grid", [(0, 1, 1), (1, 0, 1), (5, 5, 0)])
 def test_empty_grid_is_a_no_op(grid):
     lib = RecordingLibrary()
@@ -147,7 +170,7 @@ def test_empty_grid_is_a_no_op(grid):
 def test_valid_geometry_is_forwarded(grid, threadgroup):
     lib = RecordingLibrary()
     native.NativeExecutor(lib).launch("k", grid=grid, threadgroup=threadgroup, args=[])
-    assert lib.calls == [("k", grid, threadgroup, [])]
+    assert lib.calls == [("k", tuple(grid), tuple(threadgroup), [])]
 
 
 @pytest.mark.parametrize(

@@ -205,6 +205,27 @@ def test_a_threadgroup_above_the_pipelines_maximum_is_refused_before_the_functio
     assert lib.lookups == 2 and [k.limit_reads for k in lib.kernels] == [1, 1]
 
 
+def test_a_prepared_launch_is_refused_when_prepared_and_looks_its_kernel_up_once():
+    """prepare(): what a launch plan keeps. The pipeline limit refuses a launch when it is prepared;
+    a prepared launch binds each call's arguments (Scalars cast to their width) with the kernel, its
+    limit and the thread counts found once."""
+    lib = FakeLibrary(["small"], limits={"small": 256})
+    ex = CpuShaderExecutor(lib)
+    with pytest.raises(PipelineLimitError):
+        ex.prepare("small", (4, 1, 1), (512, 1, 1))
+    assert lib.calls == []
+    run = ex.prepare("small", (4, 1, 1), (64, 2, 1))
+    x = torch.zeros(8)
+    for n in (1, 2, 3):
+        run([x, uint32(n), float16(0.5)])
+    assert [c["bound"][1] for c in lib.calls] == [uint32(n).to_bytes() for n in (1, 2, 3)]
+    assert all(c["bound"][2] == float16(0.5).to_bytes() for c in lib.calls)
+    assert all(c["threads"] == [256, 2, 1] and c["group_size"] == [64, 2, 1] for c in lib.calls)
+    assert lib.lookups == 1 and lib.kernels[0].limit_reads == 1
+    with pytest.raises(ValueError, match="on cpu"):
+        shader.ShaderExecutor(lib).prepare("small", (1, 1, 1), (1, 1, 1))([x])  # (a CPU tensor, never bound)
+
+
 def test_unknown_kernel_is_a_value_error_naming_it():
     lib = FakeLibrary(["k"])
     with pytest.raises(ValueError, match="'nope'"):

@@ -45,6 +45,14 @@ class Executor(Protocol):
         """
         ...
 
+    # Optional, offered by the GPU tiers:
+    #
+    #   def prepare(self, kernel: str, grid: Dim3, threadgroup: Dim3) -> Callable[[Sequence[KernelArg]], None]
+    #
+    # The same launch as a function of its arguments, with what depends only on the kernel and the
+    # geometry (their checks, the kernel's lookup, its pipeline limit) done once, here: the op layer
+    # keeps it with a launch plan (bnb_mps.ops.plan) and calls it for every call the plan serves.
+
 
 class ExecutorUnavailable(RuntimeError):
     """Raised by a tier's `load()` when it cannot serve kernels here; the message is the reason

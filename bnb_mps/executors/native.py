@@ -3,8 +3,9 @@
 The library is built on macOS with `COMPUTE_BACKEND=mps`. It holds the kernel amalgamation as of
 the build (and, when Xcode's `metal` was present, a prebuilt `bnb_mps_kernels.metallib` of it),
 compiles Metal source with safe math (`compile_library(text)`), caches pipelines and encodes on
-PyTorch's MPS stream. This module decides which kernels to load, validates launch geometry and
-turns Scalars into their bytes; everything else happens in C++.
+PyTorch's MPS stream. This module decides which kernels to load and validates launch geometry
+(once per launch plan: `prepare`); everything else happens in C++, which takes the launch's
+arguments as they are (tensors, and Scalars, which are bytes).
 
 Which kernels (`choose_library`): the offline metallib, one library of every kernel, where it is
 current (built from the kernel files installed now) and the run-time compile would not pin more
@@ -33,14 +34,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..msl import source as kernel_source
-from ..kernel_args import Scalar
 from ._gpu_common import check_geometry, check_simd_width, first_lines, mps_unavailable_reason
 from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg
 
@@ -95,13 +95,19 @@ class NativeExecutor:
         raise ValueError(f"kernel {kernel!r} is not in the bnb_mps kernel library ({self.origin})")
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
+        self.prepare(kernel, grid, threadgroup)(args)
+
+    def prepare(self, kernel: str, grid: Dim3, threadgroup: Dim3) -> Callable[[Sequence[KernelArg]], None]:
+        """The launch of `kernel` with this geometry as a function of its arguments, the geometry
+        checked once, here (the op layer keeps it for every call of a launch plan). The arguments go
+        to C++ as they are: tensors, bound at storage_offset * element_size after a check that they
+        are on mps, and Scalars, which are their exact bytes (setBytes). The C++ side raises
+        PipelineLimitError before encoding when the pipeline allows fewer threads than asked."""
         if not check_geometry(grid, threadgroup):
-            return
-        # Scalars travel as their exact bytes (setBytes); tensors as they are (the C++ side checks
-        # that they are on mps and binds them at storage_offset * element_size, and raises
-        # PipelineLimitError before encoding when the pipeline allows fewer threads than asked).
-        self._launchers.get(kernel, self._other)(kernel, grid, threadgroup,
-                                                 [a.to_bytes() if isinstance(a, Scalar) else a for a in args])
+            return _nothing
+        launch = self._launchers.get(kernel, self._other)
+        grid, threadgroup = tuple(grid), tuple(threadgroup)
+        return lambda args: launch(kernel, grid, threadgroup, args)
 
     def pipeline_info(self, kernel: str) -> dict:
         """Metal's limits for `kernel`: max_total_threads_per_threadgroup, thread_execution_width,
@@ -113,6 +119,10 @@ class NativeExecutor:
         except KeyError:
             self._unknown(kernel)
         return library.pipeline_info(kernel)
+
+
+def _nothing(args) -> None:
+    """The launch of an empty grid."""
 
 
 def current_kernel_source() -> str | None:

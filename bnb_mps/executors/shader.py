@@ -49,7 +49,7 @@ import operator
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -170,13 +170,23 @@ class ShaderExecutor:
         return found
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
+        self.prepare(kernel, grid, threadgroup)(args)
+
+    def prepare(self, kernel: str, grid: Dim3, threadgroup: Dim3) -> Callable[[Sequence[KernelArg]], None]:
+        """The launch of `kernel` with this geometry as a function of its arguments: the geometry,
+        the kernel's function and its pipeline limit are checked once, here (the op layer keeps it
+        for every call of a launch plan)."""
         if not check_geometry(grid, threadgroup):
-            return
+            return _nothing
         fn, limit = self._kernel(kernel)
         gx, gy, gz = grid
         tx, ty, tz = threadgroup
         if tx * ty * tz > limit:  # refused before torch binds anything (it encodes as it binds)
             raise PipelineLimitError(kernel, tx * ty * tz, limit)
+        threads, group_size = [gx * tx, gy * ty, gz * tz], [tx, ty, tz]
+        return lambda args: self._bind_and_run(kernel, fn, threads, group_size, args)
+
+    def _bind_and_run(self, kernel: str, fn, threads: list, group_size: list, args: Sequence[KernelArg]) -> None:
         values: list = []
         casts: dict[int, str] = {}
         for i, arg in enumerate(args):
@@ -197,7 +207,11 @@ class ShaderExecutor:
                     f"argument {i} of kernel {kernel!r} must be a tensor or a bnb_mps.kernel_args.Scalar, "
                     f"got {type(arg).__name__}"
                 )
-        fn(*values, threads=[gx * tx, gy * ty, gz * tz], group_size=[tx, ty, tz], arg_casts=casts or None)
+        fn(*values, threads=threads, group_size=group_size, arg_casts=casts or None)
+
+
+def _nothing(args) -> None:
+    """The launch of an empty grid."""
 
 
 def load() -> ShaderExecutor:

@@ -205,7 +205,7 @@ class BoundPlan:
         self.counted = counted  # the op layer's call-count key, (op, tier)
         self.calls = tuple(
             (operator.itemgetter(*L.picks) if len(L.picks) > 1 else _single(L.picks[0]),
-             functools.partial(executor.launch, L.kernel, grid=L.grid, threadgroup=L.threadgroup))
+             _prepared(executor, L))
             for L in plan.launches
         )  # fmt: skip
         self._allocate = _allocator(plan.outputs, plan.device)
@@ -219,14 +219,14 @@ class BoundPlan:
         if self._simple:
             pool = outs + dynamic + self._constants + args
             for pick, launch in self.calls:
-                launch(args=pick(pool))
+                launch(pick(pool))
         else:
             prepared = list(args)
             for i, fn in plan.prepare:
                 prepared[i] = fn(prepared[i])
             pool = outs + dynamic + self._constants + tuple(prepared)
             for pick, launch in self.calls:
-                launch(args=pick(pool))
+                launch(pick(pool))
             for i in plan.write_back:
                 args[i].copy_(prepared[i].view(args[i].shape))
             if plan.finish is not None:
@@ -243,6 +243,20 @@ def _allocator(outputs: tuple, device) -> Callable[[], tuple]:
         ((shape, dtype),) = outputs
         return lambda: (empty(shape, dtype=dtype, device=device),)
     return lambda: tuple([empty(shape, dtype=dtype, device=device) for shape, dtype in outputs])
+
+
+def _prepared(executor, launch: Launch) -> Callable[[tuple], None]:
+    """`launch` on `executor` as a function of its arguments: the executor's own prepared launch
+    where it offers one (`prepare(kernel, grid, threadgroup)`: the native and shader tiers check the
+    geometry and find the kernel once), else its `launch`."""
+    prepare = getattr(executor, "prepare", None)
+    if prepare is not None:
+        return prepare(launch.kernel, launch.grid, launch.threadgroup)
+    return functools.partial(_launch, executor.launch, launch.kernel, launch.grid, launch.threadgroup)
+
+
+def _launch(launch, kernel, grid, threadgroup, args) -> None:
+    launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
 
 
 def _single(i: int):
