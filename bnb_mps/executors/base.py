@@ -49,6 +49,8 @@ class Executor(Protocol):
     #
     #   def prepare(self, kernel: str, grid: Dim3, threadgroup: Dim3) -> Callable[[Sequence[KernelArg]], None]
     #
+    # (its one parameter named `args`, as `launch`'s)
+    #
     # The same launch as a function of its arguments, with what depends only on the kernel and the
     # geometry (their checks, the kernel's lookup, its pipeline limit) done once, here: the op layer
     # keeps it with a launch plan (bnb_mps.ops.plan) and calls it for every call the plan serves.

@@ -126,7 +126,7 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, h
     plans, skip, dynamic = served.plans, served.skip, served.dynamic
 
     def entry(args: tuple, kwargs: dict):
-        if plans and not kwargs and served.valid():
+        if plans and not kwargs and served.generation == executors.generation and served.epoch == routing.epoch:
             key = _plan.key(args, skip)
             hit = plans.get(key) if key is not None else None
             if hit is not None:  # a call like an earlier one: its plan, at once
@@ -168,14 +168,8 @@ class _Plans:
         self.plans: dict = {}
         self.skip = op.planned.dynamic_positions if op.planned is not None else 0
         self.dynamic = op.planned.dynamic if op.planned is not None else None
-        self.valid_for = (None, None)  # (selection, routing epoch) the plans were made under, routed path
-
-    def valid(self) -> bool:
-        """Whether the plans were made under the current selection and routes (else they go)."""
-        if self.valid_for == (executors.generation, routing.epoch):
-            return True
-        self.plans.clear()
-        return False
+        # the tier selection and routes the plans were made under (executors.generation, routing.epoch)
+        self.generation = self.epoch = -1
 
     def serve(self, args: tuple, bound_args: list, executor: executors.Executor, tier: str):
         """Plan a call that passed its checks (arguments as the dispatcher gave them, and bound),
@@ -185,9 +179,9 @@ class _Plans:
         key = _plan.key(args, self.skip)
         if key is not None:
             now = (executors.generation, routing.epoch)
-            if len(self.plans) >= self.LIMIT or self.valid_for != now:
+            if len(self.plans) >= self.LIMIT or (self.generation, self.epoch) != now:
                 self.plans.clear()
-            self.valid_for = now
+            self.generation, self.epoch = now
             self.plans[key] = runner
         tup = tuple(bound_args)
         return runner(tup, self.dynamic(tup, plan.dynamic_base) if plan.n_dynamic else ())

@@ -217,16 +217,16 @@ class BoundPlan:
         outs = self._allocate()
         plan = self.plan
         if self._simple:
-            pool = outs + dynamic + self._constants + args
+            pool = (outs + dynamic + self._constants + args) if dynamic else (outs + self._constants + args)
             for pick, launch in self.calls:
-                launch(pick(pool))
+                launch(args=pick(pool))
         else:
             prepared = list(args)
             for i, fn in plan.prepare:
                 prepared[i] = fn(prepared[i])
             pool = outs + dynamic + self._constants + tuple(prepared)
             for pick, launch in self.calls:
-                launch(pick(pool))
+                launch(args=pick(pool))
             for i in plan.write_back:
                 args[i].copy_(prepared[i].view(args[i].shape))
             if plan.finish is not None:
@@ -245,18 +245,14 @@ def _allocator(outputs: tuple, device) -> Callable[[], tuple]:
     return lambda: tuple([empty(shape, dtype=dtype, device=device) for shape, dtype in outputs])
 
 
-def _prepared(executor, launch: Launch) -> Callable[[tuple], None]:
-    """`launch` on `executor` as a function of its arguments: the executor's own prepared launch
+def _prepared(executor, launch: Launch) -> Callable[..., None]:
+    """`launch` on `executor` as a function of its arguments (`f(args=...)`): the executor's own prepared launch
     where it offers one (`prepare(kernel, grid, threadgroup)`: the native and shader tiers check the
     geometry and find the kernel once), else its `launch`."""
     prepare = getattr(executor, "prepare", None)
     if prepare is not None:
         return prepare(launch.kernel, launch.grid, launch.threadgroup)
-    return functools.partial(_launch, executor.launch, launch.kernel, launch.grid, launch.threadgroup)
-
-
-def _launch(launch, kernel, grid, threadgroup, args) -> None:
-    launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+    return functools.partial(executor.launch, launch.kernel, grid=launch.grid, threadgroup=launch.threadgroup)
 
 
 def _single(i: int):
