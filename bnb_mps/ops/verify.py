@@ -331,12 +331,37 @@ def _fourbit_cases() -> Iterator[Case]:
         if not dequantize:
             continue
         packed, absmax = torch.ops.bitsandbytes.quantize_4bit.default(A.float(), blocksize, qt, torch.uint8)
+        # An odd element count takes bitsandbytes' CPU dequantizer to its torch.compile'd path (seconds
+        # to compile, once a process): the result docs/semantics.md defines is computed here instead.
+        expected = None if n % 2 == 0 else _dequantize_4bit_expected(packed, absmax, blocksize, qt, shape)
         for out_dtype in DTYPES:
             yield Case(f"dequantize_4bit {tag} -> {out_dtype}", "dequantize_4bit",
-                       (packed, absmax, blocksize, qt, list(shape), out_dtype), _same)  # fmt: skip
+                       (packed, absmax, blocksize, qt, list(shape), out_dtype), _same,
+                       expected=expected and (lambda args: expected(args[5])))  # fmt: skip
         out = torch.full(shape, 3.0, dtype=dtype)
         yield Case(f"dequantize_4bit.out {tag}", "dequantize_4bit.out",
-                   (packed, absmax, blocksize, qt, list(shape), dtype, out), _same_arg(6))  # fmt: skip
+                   (packed, absmax, blocksize, qt, list(shape), dtype, out),
+                   _same_arg(6) if expected is None else _arg_as_expected(6),
+                   expected=expected and (lambda args: expected(args[5])))  # fmt: skip
+
+
+def _arg_as_expected(index: int) -> Callable:
+    """Compares argument `index` after the call with the expected result."""
+
+    def compare(got, want, got_args, want_args):
+        return exact(got_args[index], want, f"argument {index} after the call")
+
+    return compare
+
+
+def _dequantize_4bit_expected(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
+                              shape) -> Callable[[torch.dtype], torch.Tensor]:  # fmt: skip
+    """dtype -> docs/semantics.md section 3's dequantized values of `packed` (absmax normal floats)."""
+    n = math.prod(shape)
+    table = (torch.tensor(_NF4) if quant_type == "nf4" else _fp4_table()).double().tolist()
+    nibbles = [b >> 4 if j % 2 == 0 else b & 15 for j, b in enumerate(packed.reshape(-1).repeat_interleave(2).tolist())]
+    values = [table[c] for c in nibbles[:n]]
+    return lambda dtype: _spec_dequantize(values, absmax, blocksize, dtype, tuple(shape))
 
 
 # -- special values: the results docs/semantics.md defines where bitsandbytes' CPU code departs --------------
@@ -465,7 +490,8 @@ def _spec_quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str):
 def _spec_dequantize(values: list[float], absmax: torch.Tensor, blocksize: int, dtype: torch.dtype,
                      shape) -> torch.Tensor:  # fmt: skip
     """out_i = T(fl32(values_i * absmax[i // blocksize])), a float32 product below 2^-126 zero
-    (section 7); T is float32 or bfloat16 (conversions of normal float32 values: exact on any CPU)."""
+    (section 7). (The conversion to T is the CPU's: right where no float16 subnormal arises, which
+    the cases keep to.)"""
     scales = absmax.double().tolist()
     out = []
     for i, v in enumerate(values):
@@ -592,15 +618,11 @@ def _special_4bit_cases() -> Iterator[Case]:
         if dtype != torch.float32:
             continue
         packed, absmax = _spec_quantize_4bit(A, blocksize, qt)
-        table = list(_NF4) if qt == "nf4" else [float(v) for v in _fp4_table().tolist()]
-        nibbles = [b >> 4 if j % 2 == 0 else b & 15 for j, b in enumerate(
-            packed.reshape(-1).repeat_interleave(2).tolist())][: A.numel()]  # fmt: skip
-        values = [table[c] for c in nibbles]
+        expected = _dequantize_4bit_expected(packed, absmax, blocksize, qt, [A.numel()])
         for out_dtype in (torch.float32, torch.bfloat16):
             yield Case(f"dequantize_4bit special values {tag} -> {out_dtype}", "dequantize_4bit",
                        (packed, absmax, blocksize, qt, [A.numel()], out_dtype), _same,
-                       expected=lambda args, v=values, a=absmax, bs=blocksize, dt=out_dtype, n=A.numel():
-                       _spec_dequantize(v, a, bs, dt, (n,)))  # fmt: skip
+                       expected=lambda args, e=expected: e(args[5]))  # fmt: skip
 
 
 def _fp4_table() -> torch.Tensor:
@@ -773,7 +795,7 @@ def _int8_product_cases() -> Iterator[Case]:
                        (A, B, torch.full((M, 24), -1, dtype=torch.int32)), _same_arg(2))  # fmt: skip
     # The dequantizing products: every output dtype, a bias of the output dtype and a float32 one
     # (the _f32bias kernels), every path with and without 16-byte loads between them.
-    X = _int8_activations(12, 64, torch.float16, seed=610)
+    X = _int8_activations(40, 64, torch.float16, seed=610)
     W = _int8_activations(24, 64, torch.float16, seed=611) * 0.05
     CA, SCA, cols = torch.ops.bitsandbytes.int8_vectorwise_quant.default(X, 6.0)
     CB, SCB, _ = torch.ops.bitsandbytes.int8_vectorwise_quant.default(W, 0.0)
@@ -784,8 +806,8 @@ def _int8_product_cases() -> Iterator[Case]:
     yield Case("int8_scaled_mm 1x24x64 -> float16", "int8_scaled_mm", (CA[:1], CB, SCA[:1], SCB, None, None),
                _int8_dequant_compare())  # fmt: skip
     bias = (torch.randn(24, generator=g) * 3).half()
-    yield Case(f"int8_mixed_scaled_mm 12x24x64 outliers={cols.numel()}", "int8_mixed_scaled_mm",
-               (X, CA, CB, SCA, SCB, cols, bias.half()), _mixed_compare(X, CB, SCB, cols))  # fmt: skip
+    yield Case(f"int8_mixed_scaled_mm 40x24x64 outliers={cols.numel()}", "int8_mixed_scaled_mm",
+               (X, CA, CB, SCA, SCB, cols, bias), _mixed_compare(X, CB, SCB, cols))  # fmt: skip
     X2 = _int8_activations(40, 72, torch.float32, seed=612)
     W2 = _int8_activations(24, 72, torch.float32, seed=613) * 0.05
     CA2, SCA2, _ = torch.ops.bitsandbytes.int8_vectorwise_quant.default(X2, 0.0)
@@ -795,9 +817,9 @@ def _int8_product_cases() -> Iterator[Case]:
                            (12, torch.float32, None)):  # fmt: skip
         yield Case(f"int8_scaled_mm {M}x24x72 -> {dtype}{' float32 bias' if bias is not None else ''}", "int8_scaled_mm",
                    (CA2[:M], CB2, SCA2[:M], SCB2, bias, dtype), _int8_dequant_compare())  # fmt: skip
-    Xb = _int8_activations(40, 64, torch.bfloat16, seed=614)
+    Xb = _int8_activations(5, 64, torch.bfloat16, seed=614)
     CAb, SCAb, colsb = torch.ops.bitsandbytes.int8_vectorwise_quant.default(Xb, 6.0)
-    yield Case(f"int8_mixed_scaled_mm 40x24x64 bfloat16 outliers={colsb.numel()}", "int8_mixed_scaled_mm",
+    yield Case(f"int8_mixed_scaled_mm 5x24x64 bfloat16 outliers={colsb.numel()}", "int8_mixed_scaled_mm",
                (Xb, CAb, CB, SCAb, SCB, colsb, (torch.randn(24, generator=g) * 3).to(torch.bfloat16)),
                _mixed_compare(Xb, CB, SCB, colsb))  # fmt: skip
 
@@ -1052,10 +1074,17 @@ class _Counting:
         self.launches = self.bytes = 0
 
     def launch(self, kernel, *, grid, threadgroup, args) -> None:
+        from ..executors import PipelineLimitError
+
         try:
             self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
         except Exception as e:
+            if not isinstance(e, PipelineLimitError):  # (a refused launch did not run)
+                self._count(args)
             raise _LaunchFailed(e) from e
+        self._count(args)
+
+    def _count(self, args) -> None:
         self.launches += 1
         self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
