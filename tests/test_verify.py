@@ -550,6 +550,25 @@ def test_no_cxx_compiler_is_not_cached_as_a_failure(emulated_tier, tmp_path, mon
     assert sorted(runs) == sorted(list(ALL) * 2)  # verified again, not read from a cache
 
 
+def test_kernel_source_that_does_not_compile_is_a_failure_of_the_kernels(monkeypatch):
+    """(Cached like a wrong result: the source is part of the cache key.) Only a missing compiler
+    means that the verification could not run."""
+    from bnb_mps import emulator
+    from bnb_mps.emulator import build
+
+    error = emulator.CompileError("bnb_mps kernels: compiling kernels for the emulator failed (g++): ...")
+    try:
+        build.find_compiler()
+    except emulator.CompileError:
+        pytest.skip("no C++ compiler here")
+    assert not verification._cannot_run(error)
+    monkeypatch.setattr(build, "find_compiler", lambda compiler=None: (_ for _ in ()).throw(
+        emulator.CompileError("no C++ compiler found (tried c++, g++, clang++); set BNB_MPS_EMU_CXX")))  # fmt: skip
+    assert verification._cannot_run(error)
+    assert not verification._cannot_run(emulator.OutOfBounds("out-of-bounds write"))
+    assert not verification._cannot_run(RuntimeError("a GPU tier's error"))
+
+
 def test_verify_0_skips_verification(emulated_tier, planted_kernels, monkeypatch):
     emulated_tier.setenv(source.KERNEL_DIR_ENV, str(planted_kernels("A")))  # int8 quantization is faulty there
     emulated_tier.setenv("BNB_MPS_VERIFY", "0")

@@ -19,8 +19,8 @@ is defined and shared (NF4 to the lower nibble, int8's round half to even). Floa
 
 Where docs/semantics.md defines results that bitsandbytes' CPU code does not compute (NaN,
 infinities, all-zero blocks, float32 subnormals, block maxima above 2^126: sections 2, 3 and 7), a
-case carries its expected result, computed here from the page (`_SpecQuantizer`), and is compared
-bit for bit, NaN as NaN.
+case carries its expected result, computed here from the page (`_spec_quantize_blockwise`,
+`_spec_quantize_4bit`, `_spec_dequantize`), and is compared bit for bit, NaN as NaN.
 
 A launch the GPU tier refuses because the kernel's pipeline allows fewer threads per threadgroup
 than the op launches (PipelineLimitError) skips that case: it is recorded in the verdict
@@ -531,7 +531,7 @@ def _recip_rounds_up(m: float) -> bool:
 
 def _special_block_values(kind: str, n: int, points: list[float], g: torch.Generator, negative_subnormals: bool,
                           dtype: torch.dtype) -> list[float]:  # fmt: skip
-    """One block of special values (Python floats representable in `dtype`)."""
+    """One block of special values (Python floats, which the caller rounds to `dtype`)."""
     sub = [2.0**-130, 2.0**-127 * 1.5, 2.0**-133 * 1.25, 2.0**-128]  # float32 and bfloat16 subnormals
     rand = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1).to(dtype).double().tolist()
     if kind == "zeros":
@@ -559,10 +559,9 @@ def _special_block_values(kind: str, n: int, points: list[float], g: torch.Gener
         m = next(v for v in (torch.rand(64, generator=g, dtype=torch.float64) + 1).float().double().tolist()
                  if _recip_rounds_up(v * 2.0**e) == (kind == "up")) * 2.0**e  # fmt: skip
     r = _f32(1 / Fraction(m))
-    xs = [_f32(Fraction(v) * Fraction(m)) * 0.98 for v in rand]
-    xs = [_f32(Fraction(x)) for x in xs]
+    xs = [_round32(v * m * 0.98) for v in rand]
     k = 0
-    for i, t in enumerate(points):
+    for t in points:
         if k + 2 > n - 1:
             break
         if abs(t) < 0.98:
@@ -1092,11 +1091,19 @@ class _Counting:
 def _cannot_run(e: BaseException) -> bool:
     """Whether a launch error says the tier cannot run kernels here at all (no C++ compiler for the
     emulator, the emulator runtime or the tier missing, out of memory), as opposed to a fault of
-    the kernels (an emulator fault, a GPU tier's error), which fails the family for good."""
+    the kernels (an emulator fault, kernel source that does not compile, a GPU tier's error), which
+    fails the family for good."""
     from .. import emulator
+    from ..emulator import build
     from ..executors import ExecutorUnavailable
 
-    return isinstance(e, (emulator.CompileError, ExecutorUnavailable, ImportError, OSError, MemoryError))
+    if isinstance(e, emulator.CompileError):
+        try:
+            build.compiler_identity(build.find_compiler())
+        except emulator.CompileError:
+            return True  # no compiler that runs: nothing was compiled
+        return False
+    return isinstance(e, (ExecutorUnavailable, ImportError, OSError, MemoryError))
 
 
 def run_family(family: Family, executor, device: str) -> Verdict:
