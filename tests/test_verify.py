@@ -210,9 +210,10 @@ SINGLE_FAULTS = [
     Fault("off-by-one threshold table of the 8-bit quantizer", "quantize_8bit.h",
           "for (uint k = tid; k < 255u; k += threads) {", "for (uint k = tid; k < 254u; k += threads) {",
           {"blockwise_8bit": "", "optimizer_8bit": ""}),
-    Fault("float32 subnormals enter the block maximum", "bnb_common.h",
+    Fault("float32 subnormals enter the block and row maxima", "bnb_common.h",
           "return (b > 0x7f800000u || b < 0x00800000u) ? 0u : b;", "return b > 0x7f800000u ? 0u : b;",
-          {"blockwise_8bit": r"special values .*subnormals", "nf4_fp4": r"special values .*subnormals"}),
+          {"blockwise_8bit": r"special values .*subnormals", "nf4_fp4": r"special values .*subnormals",
+           "int8_quant": r"subnormals"}),
 ]  # fmt: skip
 
 
