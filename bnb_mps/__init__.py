@@ -73,7 +73,9 @@ def verify(tier: str | None = None, *, refresh: bool = False) -> dict:
     same ops (bnb_mps.ops.verify). `tier`: "native", "shader" or "emulated" (runs on CPU tensors,
     on any machine); None: the tier that serves ops here. Verdicts come from this process or the
     on-disk cache unless `refresh`, which runs every family again and rewrites the cache. A
-    `Verdict` has `passed`, `seconds`, and for a failure the first failing `case` and its `error`.
+    `Verdict` has `passed`, `seconds`, `launches`, `bytes`, `skipped` (cases whose launch the tier
+    refused for its pipeline's thread limit: no failure), and for a failure the first failing `case`
+    and its `error` (`could_not_run` when the verification itself could not run: never cached).
     """
     import torch
 

@@ -361,10 +361,16 @@ def verification_markdown(v: dict[str, Any]) -> str:
     rows = []
     for name, c in cold["families"].items():
         verdict = "passed" if c.get("passed") else f"FAILED in {c.get('case')!r}: {c.get('error')}"
+        if c.get("passed") and c.get("skipped"):
+            verdict += f" ({len(c['skipped'])} case(s) skipped: {'; '.join(c['skipped'])})"
         rows.append([name, verdict, c.get("seconds"), c.get("launches"), c.get("bytes")])
     lines = [f"Tier {cold.get('tier')}, kernels {cold.get('kernels')}.", "",
-             markdown_table(["family", "verdict", "seconds", "launches", "bytes"], rows), "",
-             f"Whole verification, cold (empty cache): {cold.get('seconds', 0):.3f} s."]  # fmt: skip
+             markdown_table(["family", "verdict", "seconds", "launches", "bytes"], rows), ""]  # fmt: skip
+    if "load_seconds" in cold:
+        lines.append(f"Loading the tier and compiling its kernels, first process: {cold['load_seconds']:.3f} s"
+                     + (f"; from the cache of a later process: {cached['load_seconds']:.3f} s."
+                        if cached and "load_seconds" in cached else "."))  # fmt: skip
+    lines.append(f"Whole verification, cold (empty cache): {cold.get('seconds', 0):.3f} s.")
     if cached and "seconds" in cached:
         hits = sum(1 for c in cached.get("families", {}).values() if c.get("cached"))
         lines.append(f"Whole verification, cached: {cached['seconds']:.3f} s ({hits} of {len(cached.get('families', {}))} "

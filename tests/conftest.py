@@ -100,6 +100,23 @@ def library():
     return libraries
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _verification_cache(tmp_path_factory):
+    """First-use verification's verdicts go to a file of this session (BNB_MPS_VERIFY_CACHE), never
+    to the user's ~/.cache/bnb_mps/verify.json: stand-in tiers named "shader" and planted kernel
+    faults would otherwise leave verdicts there under this machine's real keys. The emulator's
+    compiled kernel modules stay where BNB_MPS_CACHE_DIR (or ~/.cache/bnb_mps) keeps them, shared
+    across sessions: recompiling them costs tens of seconds per kernel source."""
+    from bnb_mps.ops import verify
+
+    path = tmp_path_factory.mktemp("verification") / "verify.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(verify.CACHE_ENV_VAR, str(path))
+        verify.reset()
+        yield path
+    verify.reset()
+
+
 @pytest.fixture(autouse=True)
 def _bnb_mps_kernels_reinstated():
     """Ops that a test's calls handed back to bitsandbytes (no GPU tier here) are registered

@@ -18,7 +18,9 @@ failing case as the reason.
 
 A route is also changed at run time: when the GPU tier refuses one of an op's launches because the
 kernel's pipeline allows fewer threads per threadgroup than the op launches (PipelineLimitError),
-the op takes route 2 or 3 from that call on (`refuse`).
+the op takes route 2 or 3 from that call on (`refuse`). Verification does not decide this: a case
+whose launch the tier refuses is skipped there (recorded in the verdict), so the family keeps
+serving, and only an op whose own call meets the limit leaves the tier.
 """
 
 from __future__ import annotations
