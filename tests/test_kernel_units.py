@@ -178,6 +178,36 @@ def test_verification_fails_exactly_the_broken_units_families_and_routing_follow
         verification.reset()
 
 
+def test_without_verification_an_op_of_the_broken_unit_moves_on_at_its_first_call(fresh_tier_selection, tmp_path,
+                                                                                  kernel_dir, caplog):  # fmt: skip
+    """BNB_MPS_VERIFY=0 (at the user's risk): nothing found the broken unit beforehand, so its kernel's
+    launch refuses (KernelUnavailable) and the op takes the next route, with the compiler's line as
+    the reason, as a refused pipeline does; the call still returns the next route's result."""
+    from torch._C import DispatchKey, DispatchKeySet
+
+    import op_inputs
+    from bnb_mps import ops
+
+    mp = fresh_tier_selection
+    mp.setenv("BNB_MPS_EXECUTOR", "emulated")
+    mp.setenv("BNB_MPS_VERIFY", "0")
+    verification.reset()
+    executors.reset()
+    try:
+        name = "int8_vectorwise_quant"
+        args = next(op_inputs.cases(name))[1]
+        got = ops.op_packet(name).redispatch(DispatchKeySet(DispatchKey.MPS), *args)
+        r = ops.route(name)
+        assert r.tier in ("bitsandbytes", "cpu") and f"{BROKEN}.metal did not compile" in r.reason, r
+        want = ops.op_packet(name).redispatch(DispatchKeySet(DispatchKey.MPS), *args)  # now the next route's own
+        for g, w in zip(got, want):
+            assert (g is None and w is None) or torch.equal(g, w)
+        assert ops.route("quantize_4bit").tier == "emulated"  # another unit's op keeps its kernels
+        assert any(f"{name} is served by" in m for m in caplog.messages)
+    finally:
+        verification.reset()
+
+
 # -- stand-ins for the GPU tiers: the same unit texts, run by the emulator ------------------------------
 
 def emulator_library(text: str):

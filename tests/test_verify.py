@@ -533,7 +533,8 @@ def test_no_cxx_compiler_is_not_cached_as_a_failure(emulated_tier, tmp_path, mon
 
     d = tmp_path / "kernels"
     shutil.copytree(KERNELS, d)
-    (d / "int8.h").write_text((d / "int8.h").read_text() + "\n// another source text: compiled anew\n")
+    for unit in d.glob("*.metal"):  # every compile unit another text: each compiled anew
+        unit.write_text(unit.read_text() + "\n// another source text: compiled anew\n")
     emulated_tier.setenv(source.KERNEL_DIR_ENV, str(d))
 
     def no_compiler(compiler=None):

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import Executor, ExecutorUnavailable, PipelineLimitError
+from .base import Executor, ExecutorUnavailable, KernelUnavailable, PipelineLimitError
 
 logger = logging.getLogger("bnb_mps")
 

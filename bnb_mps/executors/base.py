@@ -125,11 +125,12 @@ class CompileUnits:
     tier raises its own error for that, as before)."""
 
     def __init__(self, libraries: Mapping[str, Any], kernels: Mapping[str, str], failures: Mapping[str, str],
-                 sources: Mapping[str, str] | None = None) -> None:
+                 sources: Mapping[str, str] | None = None, errors: Mapping[str, BaseException] | None = None) -> None:
         self.libraries = dict(libraries)  # unit -> compiled library
         self.unit_of = dict(kernels)  # kernel -> unit
         self.failures = dict(failures)  # unit -> the compiler's message
         self._sources = dict(sources or {})  # unit -> its text (to attribute a kernel to a failed unit)
+        self._errors = dict(errors or {})  # unit -> the exception its compile raised (a KernelUnavailable's cause)
 
     @classmethod
     def compile(cls, sources: Mapping[str, str], compile: Callable[[str, str], Any],
@@ -145,7 +146,7 @@ class CompileUnits:
             try:
                 return unit, compile(unit, text), None
             except errors as e:
-                return unit, None, f"{type(e).__name__}: {e}" if not str(e).strip() else str(e)
+                return unit, None, e
 
         items = list(sources.items())
         if workers > 1 and len(items) > 1:
@@ -153,15 +154,16 @@ class CompileUnits:
                 results = list(pool.map(one, items))
         else:
             results = [one(item) for item in items]
-        libraries, kernels, failures = {}, {}, {}
+        libraries, kernels, failures, raised = {}, {}, {}, {}
         for unit, library, error in results:
             if library is None:
-                failures[unit] = error
+                failures[unit] = f"{type(error).__name__}: {error}" if not str(error).strip() else str(error)
+                raised[unit] = error
                 continue
             libraries[unit] = library
             for kernel in names(library):
                 kernels.setdefault(kernel, unit)
-        return cls(libraries, kernels, failures, sources)
+        return cls(libraries, kernels, failures, sources, raised)
 
     def library_of(self, kernel: str):
         """The library that holds `kernel`; KeyError when none does (see `unavailable`)."""
@@ -181,7 +183,9 @@ class CompileUnits:
                 best, candidates = match, [unit]
             elif match == best and match:
                 candidates.append(unit)
-        return KernelUnavailable(kernel, candidates or list(self.failures), self.failures)
+        unavailable = KernelUnavailable(kernel, candidates or list(self.failures), self.failures)
+        unavailable.__cause__ = self._errors.get(unavailable.units[0])  # (e.g. a compiler that could not run)
+        return unavailable
 
     def kernels(self) -> list[str]:
         """Every kernel of the units that compiled, sorted."""

@@ -50,8 +50,8 @@ def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Option
          hand_back: Optional[HandBack] = None, plans: Optional["_Plans"] = None):
     """Serve one call of `op`: its kernel on `executor` when one is given (tests, the emulated
     tier registered for the CPU key), else on its route's tier (kernel or CPU round trip). When
-    the tier refuses a launch (PipelineLimitError), the op is routed past it and this call is
-    served there: by bitsandbytes through `hand_back`, or by the CPU round trip. With `plans` (the
+    the tier refuses a launch (PipelineLimitError, KernelUnavailable), the op is routed past it and
+    this call is served there: by bitsandbytes through `hand_back`, or by the CPU round trip. With `plans` (the
     dispatcher's entry, for a planned op), the call's plan is kept for later calls."""
     bound = bind(op.name, args, kwargs or {})
     op.check(*bound)
@@ -70,16 +70,20 @@ def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Option
             result = plans.serve(args, bound, tier_executor, r.tier)
         else:
             result = op.kernel(tier_executor, *bound)
-    except executors.PipelineLimitError as limit:
-        return _serve_past_the_limit(op, bound, limit, hand_back)
+    except _REFUSALS as refusal:
+        return _serve_past_the_tier(op, bound, refusal, hand_back)
     _calls[op.name, r.tier] += 1
     if r.tier != "native":
         executors.notify_slow_tier(op.name, r.tier, r.reason)
     return result
 
 
-def _serve_past_the_limit(op: OpDef, bound: list, limit: executors.PipelineLimitError,
-                          hand_back: Optional[HandBack]):
+#: what a kernel tier raises, before encoding anything, for a launch it cannot make: the op then takes
+#: the next route (routing.refuse)
+_REFUSALS = (executors.PipelineLimitError, executors.KernelUnavailable)
+
+
+def _serve_past_the_tier(op: OpDef, bound: list, refusal: Exception, hand_back: Optional[HandBack]):
     """Route `op` past its kernel tier, which refused one of its launches, and serve this call on
     the new route, from the caller's arguments as they came.
 
@@ -89,7 +93,7 @@ def _serve_past_the_limit(op: OpDef, bound: list, limit: executors.PipelineLimit
     states, `out`, parameters) are written by an op's last launch alone, or after it. What the
     earlier launches computed is simply dropped.
     """
-    r = routing.refuse(op.name, limit)
+    r = routing.refuse(op.name, refusal)
     logger.warning("bnb_mps: %s is served by %s from now on: %s", op.name, r.tier, r.reason)
     if r.tier == "bitsandbytes" and hand_back is not None:
         _calls[op.name, r.tier] += 1
@@ -136,9 +140,9 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, h
                     return hit(args, scalars)
                 try:
                     return hit(args, scalars)
-                except executors.PipelineLimitError as limit:
+                except _REFUSALS as refusal:
                     _calls[hit.counted] -= 1
-                    return _serve_past_the_limit(op, bind(name, args, {}), limit, hand_back)
+                    return _serve_past_the_tier(op, bind(name, args, {}), refusal, hand_back)
         if executor is None and hand_back is not None:
             r = route(name)
             if r.tier == "bitsandbytes":

@@ -117,15 +117,20 @@ def forget() -> None:
         epoch += 1
 
 
-def refuse(name: str, limit: executors.PipelineLimitError) -> Route:
-    """Route op `name` past its kernel tier, whose executor refused one of the op's launches (a
-    kernel's pipeline allows fewer threads per threadgroup than the op launches, on this GPU), and
-    return the new route. The whole op leaves the tier, not only calls that need that kernel: a
-    call's kernels are known only once it launches, and bitsandbytes takes an op back whole. The
-    route holds until the executors' selection changes."""
-    why = (f"kernel {limit.kernel}: its pipeline allows at most {limit.maximum} threads per threadgroup, the op "
-           f"launches {limit.threads}, so the whole op leaves bnb_mps' kernels")
+def refuse(name: str, refusal: Exception) -> Route:
+    """Route op `name` past its kernel tier, whose executor refused one of the op's launches, and
+    return the new route: a kernel's pipeline allows fewer threads per threadgroup than the op
+    launches, on this GPU (PipelineLimitError), or the kernel's compile unit did not compile here
+    (KernelUnavailable; first-use verification normally finds that first, unless BNB_MPS_VERIFY=0).
+    The whole op leaves the tier, not only calls that need that kernel: a call's kernels are known
+    only once it launches, and bitsandbytes takes an op back whole. The route holds until the
+    executors' selection changes."""
     global epoch
+    if isinstance(refusal, executors.PipelineLimitError):
+        why = (f"kernel {refusal.kernel}: its pipeline allows at most {refusal.maximum} threads per threadgroup, the "
+               f"op launches {refusal.threads}, so the whole op leaves bnb_mps' kernels")
+    else:
+        why = f"{str(refusal).splitlines()[0]}, so the whole op leaves bnb_mps' kernels"
     found = _past_our_kernels(name, why)
     sel = executors.selection()
     with _lock:

@@ -1096,8 +1096,10 @@ def _cannot_run(e: BaseException) -> bool:
     fails the family for good."""
     from .. import emulator
     from ..emulator import build
-    from ..executors import ExecutorUnavailable
+    from ..executors import ExecutorUnavailable, KernelUnavailable
 
+    if isinstance(e, KernelUnavailable) and e.__cause__ is not None:  # its compile unit's own error
+        e = e.__cause__
     if isinstance(e, emulator.CompileError):
         try:
             build.compiler_identity(build.find_compiler())
