@@ -111,9 +111,9 @@ def subnormal_slack(A: torch.Tensor, W: np.ndarray, parts=None, flush: bool | No
 
     The kernels form a term as a * w (the mma path) or as scale * (sum of a * table) (the gemv and
     batch paths, which apply the block scale after the dot product).
-    - flush (docs/semantics.md section 7): a term is at risk where a * table * scale or a * table lies
-      below 2^-96, or where table * scale is a float32 subnormal (the flushed weight is 0 there, the
-      gemv path's product may keep it). It may be kept or lost, and the partial sums it brings below
+    - flush (docs/semantics.md section 7): a term is at risk where a * table * scale lies below 2^-96,
+      or a * table does for a normal a, or table * scale is a float32 subnormal for a normal scale
+      (the flushed weight is 0 there, the gemv path's product may keep it). It may be kept or lost, and the partial sums it brings below
       2^-126 may be flushed (each less than 2^-126 in the accumulator's units, which the gemv path
       then scales by the block scale): |a * table * scale| + 2^-124 * max(1, scale) per at-risk
       term, plus 2^-125 for the final sum and bias.
@@ -141,7 +141,10 @@ def subnormal_slack(A: torch.Tensor, W: np.ndarray, parts=None, flush: bool | No
         am = a[m][None, :]
         term, at = am * ts, am * t
         if fl:
-            risky = ((term > 0) & (term < low)) | ((at > 0) & (at < low)) | ((am > 0) & (ts > 0) & (ts < _TINY))
+            # (a and the scales are zero or normal once flushed: the last two conditions are about the
+            # kernels' intermediate products of normal operands)
+            risky = ((term > 0) & (term < low)) | ((am >= _TINY) & (at > 0) & (at < low)) | \
+                ((am > 0) & (s >= _TINY) & (ts > 0) & (ts < _TINY))
             slack[m] += np.where(risky, term + 2.0**-124 * np.maximum(1.0, s), 0.0).sum(axis=1)
         else:
             e = np.where((ts > 0) & (ts < _TINY), am * 2.0**-149, 0.0)
