@@ -508,9 +508,10 @@ SUBNORMAL_GRADIENTS = [([2.0**-133], 2), ([-5e-39], 1), ([1.1e-38], 50),
 @pytest.mark.parametrize("grads,step", SUBNORMAL_GRADIENTS, ids=str)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_subnormal_gradient_with_skip_zeros(library, dtype, grads, step):
-    """A float32 / bfloat16 subnormal gradient counts as 0, also for skip_zeros: momentum leaves
-    the element alone (p and its state keep their bits), in both ops. Under IEEE arithmetic the
-    element is updated: each mode against the reference of that mode."""
+    """A float32 / bfloat16 subnormal gradient counts as 0, also for skip_zeros: the one-state
+    optimizers (and 32-bit Adam) leave the element alone, p and a 32-bit state keeping their bits,
+    in both ops. Under IEEE arithmetic the element is updated: each mode against the reference of
+    that mode."""
     g = torch.tensor(grads).to(dtype)
     sub = subnormal_mask(g)
     assert sub.any()
