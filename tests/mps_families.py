@@ -30,14 +30,14 @@ and a `Case` is one call with its reference:
   result under IEEE arithmetic, which `compare` must reject (so the case does exercise the flush).
 
 Inputs come from `special_input`, which places NaN, +-inf, -0.0, subnormals, an all-zero block, a
-block of tiny and one of huge magnitudes and a block of exact ties inside blocks (never at a
-block's first element, never in the first block only), so that almost every block exercises the
-code search. The int8 and optimizer families add the special values their sections define (rows
-and columns of subnormals, statistics and states near 2^-126 or above 2^126, subnormal
-gradients). References model the Apple GPU's float arithmetic (docs/semantics.md section 7: the
-reference modules' flush mode, their default). `tests/test_mps_families.py` checks this machinery on the CPU and runs every
-family's cases at `cpu_sizes` through the emulator; `test_every_kernel_is_in_a_family` fails when
-an op gains a Metal kernel without a table entry.
+block of tiny and one of huge magnitudes and a block of exact ties inside blocks (never at a block's
+first element, never in the first block only), so that almost every block exercises the code search.
+The int8 and optimizer families add the special values their sections define (rows and columns of
+subnormals, statistics and states near 2^-126 or above 2^126, subnormal gradients). References model
+the Apple GPU's float arithmetic (docs/semantics.md section 7: the reference modules' flush mode,
+their default). `tests/test_mps_families.py` checks this machinery on the CPU and runs every
+family's cases at `cpu_sizes` through the emulator; `test_every_kernel_is_in_a_family` fails when an
+op gains a Metal kernel without a table entry.
 """
 
 from __future__ import annotations
@@ -576,7 +576,8 @@ def _int8_specials(x: torch.Tensor) -> torch.Tensor:
         return x
     g = torch.Generator().manual_seed(M * K)
     tiny = float(torch.finfo(x.dtype).tiny)
-    sub = lambda *shape: ((torch.rand(*shape, generator=g, dtype=torch.float64) - 0.5) * 1.98 * tiny).to(x.dtype)  # noqa: E731
+    sub = lambda *shape: ((torch.rand(*shape, generator=g, dtype=torch.float64) - 0.5) * 1.98 * tiny).to(  # noqa: E731
+        x.dtype)
     x = x.clone()
     x[2] = sub(K)
     x[2, ::4] = 0

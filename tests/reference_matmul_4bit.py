@@ -111,12 +111,13 @@ def subnormal_slack(A: torch.Tensor, W: np.ndarray, parts=None, flush: bool | No
 
     The kernels form a term as a * w (the mma path) or as scale * (sum of a * table) (the gemv and
     batch paths, which apply the block scale after the dot product).
-    - flush (docs/semantics.md section 7): a term is at risk where a * table * scale lies below 2^-96,
-      or a * table does for a normal a, or table * scale is a float32 subnormal for a normal scale
-      (the flushed weight is 0 there, the gemv path's product may keep it). It may be kept or lost, and the partial sums it brings below
-      2^-126 may be flushed (each less than 2^-126 in the accumulator's units, which the gemv path
-      then scales by the block scale): |a * table * scale| + 2^-124 * max(1, scale) per at-risk
-      term, plus 2^-125 for the final sum and bias.
+    - flush (docs/semantics.md section 7): a term is at risk where a * table * scale lies below
+      2^-96, or a * table does for a normal a, or table * scale is a float32 subnormal for a normal
+      scale (the flushed weight is 0 there, the gemv path's product may keep it). It may be kept or
+      lost, and the partial sums it brings below 2^-126 may be flushed (each less than 2^-126 in
+      the accumulator's units, which the gemv path then scales by the block scale):
+      |a * table * scale| + 2^-124 * max(1, scale) per at-risk term, plus 2^-125 for the final sum
+      and bias.
     - IEEE: subnormal results are rounded to multiples of 2^-149: a weight table * scale below 2^-126
       is off by up to 2^-150 (|a| * 2^-149 per term, the gemv path not rounding it), a product a * w
       or a * table below 2^-126 by 2^-150 (times the scale for a * table).

@@ -278,9 +278,10 @@ def test_4bit_matmul_huge_blocks_and_subnormal_activations(dtype, nested):
     """bnb.matmul_4bit (gemv at M = 1, the batch kernel at M = 5, mma at M = 40) of a weight whose
     first block of every row (columns 0..63; of two rows with double quantization) has its absmax
     above 2^126, quantized by the kernels (checked against the IEEE reference quantizer), with and
-    without double quantization of the block scales (whose nested block is then above 2^126 too). The activations in those columns are float32 / bfloat16 subnormals, which count
-    as zero: the result is the flushed reference's, and (with plain scales, where the rest of the
-    sum is of ordinary size) not the IEEE answer, in which those products add about 0.1 each."""
+    without double quantization of the block scales (whose nested block is then above 2^126 too).
+    The activations in those columns are float32 / bfloat16 subnormals, which count as zero: the
+    result is the flushed reference's, and (with plain scales, where the rest of the sum is of
+    ordinary size) not the IEEE answer, in which those products add about 0.1 each."""
     import reference_matmul_4bit as R
     import bitsandbytes as bnb
 

@@ -443,19 +443,20 @@ def test_float16_subnormal_activations_are_kept(library, path):
         assert torch.equal(y, y_ieee) and (y != 0).float().mean() > 0.5
 
 
-def nested_weight(N, K, bs, quant_type, q_of_block, nested, offset, seed):
-    """gemm_4bit's nested arguments for a weight of unit blocks: absmax_8bit from `q_of_block(b)`,
-    `nested` (one value per 256 blocks), a float32 offset."""
-    packed = unit_blocks(N, K, bs, quant_type, seed=seed)
-    q8 = torch.tensor([q_of_block(b) for b in range(N * K // bs)], dtype=torch.uint8)
-    return packed, torch.tensor(nested, dtype=torch.float32), (q8, CODE8.clone(), torch.tensor(offset, dtype=torch.float32))
-
-
 CODE8 = bnb_functional.create_dynamic_map(signed=True)
 _C = CODE8.numpy()
 #: codes of the dynamic map whose product with 2^-120 is a float32 subnormal, and those near 0.5
 _SMALL_CODES = [int(i) for i in np.flatnonzero((np.abs(_C) < 2.0**-6) & (_C != 0))]
 _HALF = int(np.argmin(np.abs(_C - 0.5)))
+
+
+def nested_weight(N, K, bs, quant_type, q_of_block, nested, offset, seed):
+    """gemm_4bit's nested arguments for a weight of unit blocks: absmax_8bit from `q_of_block(b)`,
+    `nested` (one value per 256 blocks), a float32 offset."""
+    packed = unit_blocks(N, K, bs, quant_type, seed=seed)
+    q8 = torch.tensor([q_of_block(b) for b in range(N * K // bs)], dtype=torch.uint8)
+    offset = torch.tensor(offset, dtype=torch.float32)
+    return packed, torch.tensor(nested, dtype=torch.float32), (q8, CODE8.clone(), offset)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
