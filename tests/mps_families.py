@@ -25,14 +25,19 @@ and a `Case` is one call with its reference:
 - `compare(got, want, what)`: raises AssertionError; `assert_same_bits` (bit-exact, NaN equal to
   NaN whatever its sign and payload) or `assert_close(rtol, atol)`;
 - `run(device_args)`: a custom call (e.g. bitsandbytes.functional's API); default: the op through
-  the dispatcher, `torch.ops.bitsandbytes.<op>(*device_args)`.
+  the dispatcher, `torch.ops.bitsandbytes.<op>(*device_args)`;
+- `ieee_want`: for cases of float32 values that Apple GPUs flush (docs/semantics.md section 7), the
+  result under IEEE arithmetic, which `compare` must reject (so the case does exercise the flush).
 
 Inputs come from `special_input`, which places NaN, +-inf, -0.0, subnormals, an all-zero block, a
-block of tiny and one of huge magnitudes and a block of exact ties inside blocks (never at a
-block's first element, never in the first block only), so that almost every block exercises the
-code search. `tests/test_mps_families.py` checks this machinery on the CPU and runs every
-family's cases at `cpu_sizes` through the emulator; `test_every_kernel_is_in_a_family` fails when
-an op gains a Metal kernel without a table entry.
+block of tiny and one of huge magnitudes and a block of exact ties inside blocks (never at a block's
+first element, never in the first block only), so that almost every block exercises the code search.
+The int8 and optimizer families add the special values their sections define (rows and columns of
+subnormals, statistics and states near 2^-126 or above 2^126, subnormal gradients). References model
+the Apple GPU's float arithmetic (docs/semantics.md section 7: the reference modules' flush mode,
+their default). `tests/test_mps_families.py` checks this machinery on the CPU and runs every
+family's cases at `cpu_sizes` through the emulator; `test_every_kernel_is_in_a_family` fails when an
+op gains a Metal kernel without a table entry.
 """
 
 from __future__ import annotations
@@ -121,6 +126,10 @@ class Case:
     want_args: dict[int, Any] = field(default_factory=dict)
     compare: Callable[[Any, Any, str], None] = assert_same_bits
     run: Optional[Callable[[list], Any]] = None
+    #: for a case whose inputs hold float32 values the Apple GPU flushes: what the call gives under
+    #: IEEE arithmetic (in the form of its result, or of `run`'s), which `compare` must tell from
+    #: `want` (tests/test_mps_families.py checks that the case exercises the flush)
+    ieee_want: Any = None
 
 
 @dataclass(frozen=True)
@@ -394,7 +403,8 @@ def _functional_8bit_nested(A: torch.Tensor, bs: int) -> Case:
         q8, nested_ref = ref.quantize_blockwise(absmax_ref - off, code, bs)
         assert_same_bits(qabsmax, q8, f"{what} quantized absmax")
         assert_same_bits(nested, nested_ref, f"{what} nested absmax")
-        scales = torch.from_numpy(ref.dequantize_blockwise(q8, nested_ref, code, bs, torch.float32).numpy() + off.numpy())
+        # bitsandbytes adds the offset to the dequantized absmax on the device: float32 arithmetic too
+        scales = ref.nested_scales(q8, code, nested_ref, off, blocksize=bs)
         assert_same_bits(out, ref.dequantize_blockwise(q_ref, scales, code, bs, A.dtype), f"{what} dequantized")
 
     return Case(f"functional quantize_blockwise(nested=True) blocksize={bs} n={A.numel()}", "quantize_blockwise",
@@ -554,6 +564,30 @@ def _int8_activations(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Te
     return x.to(dtype)
 
 
+def _int8_specials(x: torch.Tensor) -> torch.Tensor:
+    """x with the values docs/semantics.md sections 6 and 7 define, where x has room (at least 6 rows
+    and 8 columns): a row of zeros and subnormals of x's dtype (float32 and bfloat16 ones count as
+    zero: row statistic 0, codes 0; float16's are ordinary values), subnormal elements in an
+    ordinary row, a column of subnormals (column statistic 0), a NaN (left out of the maxima, code
+    0) and a -inf (its row's maximum at threshold 0, where every code of the row is 0; an outlier
+    column at threshold 6)."""
+    M, K = x.shape
+    if M < 6 or K < 8:
+        return x
+    g = torch.Generator().manual_seed(M * K)
+    tiny = float(torch.finfo(x.dtype).tiny)
+    sub = lambda *shape: ((torch.rand(*shape, generator=g, dtype=torch.float64) - 0.5) * 1.98 * tiny).to(  # noqa: E731
+        x.dtype)
+    x = x.clone()
+    x[2] = sub(K)
+    x[2, ::4] = 0
+    x[3, 3::5] = sub(len(range(3, K, 5)))
+    x[:, 2] = sub(M)
+    x[4, K // 2] = float("nan")
+    x[5, K // 3] = -float("inf")
+    return x
+
+
 def _close_within(bound: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Any, Any, str], None]:
     """A comparison: |got - want| <= bound(got, want) elementwise (float64), same dtype and shape."""
 
@@ -575,11 +609,14 @@ def int8_cases(n: int) -> Iterator[Case]:
 
     M, N, K = INT8_SHAPES[n]
     for i, (dtype, threshold) in enumerate(_grid(n, ref.DTYPES, (0.0, 6.0))):
-        A = _int8_activations(M, K, dtype, _seed("int8q", n, i))
-        yield Case(f"int8_vectorwise_quant {M}x{K} {dtype} t={threshold}", "int8_vectorwise_quant", (A, threshold),
-                   R8.int8_vectorwise_quant(A, threshold))  # fmt: skip
-        yield Case(f"int8_double_quant {M}x{K} {dtype} t={threshold}", "int8_double_quant", (A, threshold),
-                   R8.int8_double_quant(A, threshold))  # fmt: skip
+        A = _int8_specials(_int8_activations(M, K, dtype, _seed("int8q", n, i)))
+        apple = dtype != torch.float16 and M >= 6 and K >= 8  # holds float32 subnormals
+        tag = f"{M}x{K} {dtype} t={threshold}{' specials' if M >= 6 and K >= 8 else ''}"
+        yield Case(f"int8_vectorwise_quant {tag}", "int8_vectorwise_quant", (A, threshold),
+                   R8.int8_vectorwise_quant(A, threshold),
+                   ieee_want=R8.int8_vectorwise_quant(A, threshold, flush=False) if apple else None)  # fmt: skip
+        yield Case(f"int8_double_quant {tag}", "int8_double_quant", (A, threshold), R8.int8_double_quant(A, threshold),
+                   ieee_want=R8.int8_double_quant(A, threshold, flush=False) if apple else None)  # fmt: skip
     X = _int8_activations(M, K, torch.float16, _seed("int8x", n))
     W = _int8_activations(N, K, torch.float16, _seed("int8w", n)) * 0.05
     CA, SCA, cols = R8.int8_vectorwise_quant(X, 6.0)
@@ -616,6 +653,37 @@ def int8_cases(n: int) -> Iterator[Case]:
 
     yield Case(f"int8_mixed_scaled_mm {M}x{N}x{K} outliers={cols.numel()}", "int8_mixed_scaled_mm",
                (X, CA, CB, SCA, SCB, cols, bias), (want, want_sub), compare=mixed_compare)  # fmt: skip
+    if n < LARGE and M * N > 1:
+        yield from _int8_flush_cases(CA, CB, SCA, SCB, acc)
+
+
+def _int8_flush_cases(CA, CB, SCA, SCB, acc) -> Iterator[Case]:
+    """The dequantizers with statistics near 2^-64 (products and results below 2^-126: zeros on the
+    GPU) and a float32 / bfloat16 subnormal bias (counts as zero): the flushed reference bit for bit
+    (these kernels round the way docs/semantics.md writes it)."""
+    import reference_int8 as R8
+
+    M, K = CA.shape
+    N = CB.shape[0]
+    tiny = float(torch.finfo(torch.float32).tiny)
+    tiny_scb = SCB * 2.0**-120
+    yield Case(f"int8_vectorwise_dequant {N}x{K} statistics near 2^-120", "int8_vectorwise_dequant", (CB, tiny_scb),
+               R8.int8_vectorwise_dequant(CB, tiny_scb),
+               compare=_close_within(lambda g, w: 2 * R8.spacing(w, torch.float32)),
+               ieee_want=R8.int8_vectorwise_dequant(CB, tiny_scb, flush=False))  # fmt: skip
+    rs, cs = SCA * 2.0**-64, SCB * 2.0**-64
+    mag = acc.double().abs() * rs.double()[:, None] * cs.double()[None, :] / 16129
+    bound = _close_within(lambda g, w: R8.spacing(w, g.dtype) + 8 * 2.0**-24 * mag)  # as the ordinary cases
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(_seed("int8-tiny-bias", M, N, K))
+        bias = ((torch.rand(N, generator=g) - 0.5) * 2 * tiny).to(dtype)
+        tag = f"{M}x{N}x{K} {dtype} statistics near 2^-64, subnormal bias"
+        yield Case(f"int8_mm_dequant {tag}", "int8_mm_dequant", (acc, rs, cs, dtype, bias),
+                   R8.int8_mm_dequant(acc, rs, cs, dtype, bias), compare=bound,
+                   ieee_want=R8.int8_mm_dequant(acc, rs, cs, dtype, bias, flush=False))  # fmt: skip
+        yield Case(f"int8_scaled_mm {tag}", "int8_scaled_mm", (CA, CB, rs, cs, bias, dtype),
+                   R8.int8_scaled_mm(CA, CB, rs, cs, bias, dtype), compare=bound,
+                   ieee_want=R8.int8_scaled_mm(CA, CB, rs, cs, bias, dtype, flush=False))  # fmt: skip
 
 
 # -- optimizers -----------------------------------------------------------------------------------------
@@ -638,6 +706,42 @@ def _run_in_place(op: str) -> Callable[[list], Any]:
     return run
 
 
+def _compare_8bit(p_before: torch.Tensor) -> Callable[[Any, Any, str], None]:
+    import optim_inputs as oi
+
+    def compare(got, want, what):
+        oi.compare_8bit(got, want, p_before=p_before)
+
+    return compare
+
+
+def _compare_32bit(p_before: torch.Tensor, zeros_exact: bool = False) -> Callable[[Any, Any, str], None]:
+    """docs/semantics.md 5.3's one-step rules; states within a float32 rounding where a GPU compiler may
+    contract a multiply-add; with `zeros_exact`, the states that are 0 in the reference are 0, and
+    only those (the states Apple GPUs flush)."""
+    import optim_inputs as oi
+
+    def compare(got, want, what):
+        oi.compare_32bit(got, want, max_state_ulps=1 << 30, p_before=p_before)
+        for g, w in ((got[3], want.state1), (got[4], want.state2)):
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-12, msg=lambda m: f"{what}: {m}")
+                if zeros_exact:
+                    assert torch.equal(g.cpu() == 0, w == 0), f"{what}: zero states differ"
+
+    return compare
+
+
+def _after(args: list, result) -> list:
+    """The arguments as an optimizer step with `result` (a reference_optim Result8 / Result32) leaves
+    them: the form `run=_run_in_place` gives."""
+    out = list(args)
+    out[2], out[3], out[4] = result.p, result.state1, result.state2
+    if hasattr(result, "absmax1"):
+        out[14], out[15] = result.absmax1, result.absmax2
+    return out
+
+
 def optimizer_cases(n: int) -> Iterator[Case]:
     import optim_inputs as oi
     import reference_optim as R
@@ -646,25 +750,73 @@ def optimizer_cases(n: int) -> Iterator[Case]:
     for i, (name, dtype) in enumerate(_grid(n, oi.NAMES_8BIT, oi.DTYPES)):
         args = oi.args_8bit(name, n, dtype, seed=_seed("opt8", n, i))
         want = R.optimizer_8bit(*oi.clone(args))
-        p_before = args[2].clone()
-
-        def compare(got, want, what, p_before=p_before):
-            oi.compare_8bit(got, want, p_before=p_before)
-
-        yield Case(f"{op8} {name} {dtype} n={n}", op8, tuple(args), want, compare=compare, run=_run_in_place(op8))
+        yield Case(f"{op8} {name} {dtype} n={n}", op8, tuple(args), want, compare=_compare_8bit(args[2].clone()),
+                   run=_run_in_place(op8))  # fmt: skip
     for i, (name, dtype, max_unorm) in enumerate(_grid(n, oi.NAMES_32BIT, oi.DTYPES, (0.0, 0.002))):
         args = oi.args_32bit(name, n, dtype, seed=_seed("opt32", n, i), max_unorm=max_unorm)
         want = R.optimizer_32bit(*oi.clone(args))
-        p_before = args[2].clone()
+        yield Case(f"{op32} {name} {dtype} clip={max_unorm} n={n}", op32, tuple(args), want,
+                   compare=_compare_32bit(args[2].clone()), run=_run_in_place(op32))  # fmt: skip
+    if 600 <= n < LARGE:
+        yield from _optimizer_special_cases(n)
 
-        def compare(got, want, what, p_before=p_before):
-            oi.compare_32bit(got, want, max_state_ulps=1 << 30, p_before=p_before)
-            for g, w in ((got[3], want.state1), (got[4], want.state2)):
-                if w is not None:
-                    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-12, msg=lambda m: f"{what}: {m}")
 
-        yield Case(f"{op32} {name} {dtype} clip={max_unorm} n={n}", op32, tuple(args), want, compare=compare,
-                   run=_run_in_place(op32))  # fmt: skip
+def _optimizer_special_cases(n: int) -> Iterator[Case]:
+    """docs/semantics.md section 7 for the optimizers:
+    - 8-bit state blocks above 2^126 (momentum's first moment, Adam's second moment) re-quantize
+      to the reference's codes and absmax (the reciprocal of such an absmax is a float32 subnormal);
+    - float32 / bfloat16 subnormal gradients count as 0, also for skip_zeros, which then leaves the
+      element alone (IEEE would update it);
+    - 32-bit states that decay below 2^-126 become 0 (IEEE keeps subnormals)."""
+    import optim_inputs as oi
+    import reference_optim as R
+
+    op8, op32 = "optimizer_update_8bit_blockwise", "optimizer_update_32bit"
+    f32 = torch.float32
+    tiny = float(torch.finfo(f32).tiny)
+    g = torch.Generator().manual_seed(_seed("opt-special", n))
+    signs = lambda: torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)  # noqa: E731
+
+    big = torch.randn(n, generator=g) * 1e37
+    big[::97] = 3.3e38  # every block's first moment above 2^126
+    args = oi.args_8bit("momentum", n, f32, step=1, weight_decay=0.0, gnorm_scale=1.0, g=big)
+    yield Case(f"{op8} momentum state blocks above 2^126 n={n}", op8, tuple(args), R.optimizer_8bit(*oi.clone(args)),
+               compare=_compare_8bit(args[2].clone()), run=_run_in_place(op8))  # fmt: skip
+    big = torch.randn(n, generator=g) * 1e19
+    big[::89] = 1.7e20  # (1 - beta2) * g * g = 1.4e38: every block's second moment above 2^126
+    args = oi.args_8bit("adam", n, f32, step=1, weight_decay=0.0, gnorm_scale=1.0, g=big)
+    yield Case(f"{op8} adam second moment above 2^126 n={n}", op8, tuple(args), R.optimizer_8bit(*oi.clone(args)),
+               compare=_compare_8bit(args[2].clone()), run=_run_in_place(op8))  # fmt: skip
+
+    for dtype in (f32, torch.bfloat16):
+        grad = torch.randn(n, generator=g) * 0.01
+        grad[::3] = torch.rand(grad[::3].shape, generator=g) * tiny * signs()[::3]  # subnormals
+        grad[1::7] = 0.0
+        grad = grad.to(dtype)
+        for name in ("momentum", "lion"):
+            args = oi.args_8bit(name, n, dtype, seed=_seed("opt-sub8", n, name), g=grad.clone(), skip_zeros=True)
+            yield Case(f"{op8} {name} {dtype} subnormal gradients skip_zeros n={n}", op8, tuple(args),
+                       R.optimizer_8bit(*oi.clone(args)), compare=_compare_8bit(args[2].clone()),
+                       run=_run_in_place(op8),
+                       ieee_want=_after(args, R.optimizer_8bit(*oi.clone(args), flush=False)))  # fmt: skip
+        for name in ("momentum", "adam"):
+            args = oi.args_32bit(name, n, dtype, seed=_seed("opt-sub32", n, name), g=grad.clone(), skip_zeros=True)
+            yield Case(f"{op32} {name} {dtype} subnormal gradients skip_zeros n={n}", op32, tuple(args),
+                       R.optimizer_32bit(*oi.clone(args)), compare=_compare_32bit(args[2].clone()),
+                       run=_run_in_place(op32),
+                       ieee_want=_after(args, R.optimizer_32bit(*oi.clone(args), flush=False)))  # fmt: skip
+
+    for name in ("adam", "rmsprop", "momentum"):
+        args = oi.args_32bit(name, n, f32, seed=_seed("opt-decay", n, name), g=torch.zeros(n), weight_decay=0.0,
+                             gnorm_scale=1.0)  # fmt: skip
+        just_above = lambda: (1 + torch.rand(n, generator=g) * 0.002) * tiny  # noqa: E731
+        args[3] = just_above() * (1.0 if name == "rmsprop" else signs())
+        if args[4] is not None:
+            args[4] = just_above()
+        yield Case(f"{op32} {name} states decaying below 2^-126 n={n}", op32, tuple(args),
+                   R.optimizer_32bit(*oi.clone(args)), compare=_compare_32bit(args[2].clone(), zeros_exact=True),
+                   run=_run_in_place(op32),
+                   ieee_want=_after(args, R.optimizer_32bit(*oi.clone(args), flush=False)))  # fmt: skip
 
 
 # -- the table --------------------------------------------------------------------------------------

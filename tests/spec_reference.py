@@ -244,11 +244,12 @@ def double_quantize(absmax: torch.Tensor, code: torch.Tensor,
 
 
 def nested_scales(absmax_8bit: torch.Tensor, absmax_code: torch.Tensor, nested_absmax: torch.Tensor,
-                  offset, flush: bool | None = None) -> torch.Tensor:
-    """scale_b = fl32(fl32(absmax_code[absmax_8bit[b]] * nested_absmax[b // 256]) + offset)."""
+                  offset, flush: bool | None = None, blocksize: int = 256) -> torch.Tensor:
+    """scale_b = fl32(fl32(absmax_code[absmax_8bit[b]] * nested_absmax[b // blocksize]) + offset)
+    (blocksize 256 for 4-bit double quantization; the 8-bit API's nested=True uses its own)."""
     q = absmax_8bit.detach().reshape(-1).numpy().astype(np.int64)
     c = _maybe_flush(absmax_code.detach().reshape(-1).to(torch.float32).numpy(), flush)
     nested = _maybe_flush(nested_absmax.detach().reshape(-1).to(torch.float32).numpy(), flush)
     off = _maybe_flush(np.array([torch.as_tensor(offset).to(torch.float32).item()], F32), flush)[0]
-    product = _maybe_flush(c[q] * np.repeat(nested, 256)[: q.size], flush)
+    product = _maybe_flush(c[q] * np.repeat(nested, blocksize)[: q.size], flush)
     return torch.from_numpy(_maybe_flush(product + off, flush))

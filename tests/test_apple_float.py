@@ -8,7 +8,11 @@ results flush to zero, as on the hardware).
 - Blocks of tiny normal magnitudes quantize as IEEE does.
 - Blocks of zeros and float32 subnormals quantize like an all-zero block (absmax 0, every code 0);
   fp16 subnormals are kept and quantize as IEEE does.
-The IEEE reference is tests/spec_reference.py with flush=False; the Apple one with flush=True.
+- Int8: rows of subnormals are zero rows. 8-bit optimizer states above 2^126 re-quantize exactly.
+- 4-bit products (bnb.matmul_4bit: gemv, batch and mma kernels) of weights with blocks above 2^126,
+  plain and double-quantized, with float32 / bfloat16 subnormal activations, which count as zero.
+The IEEE references are the reference modules with flush=False; the Apple ones with flush=True
+(their default).
 """
 
 from __future__ import annotations
@@ -198,10 +202,11 @@ def test_ieee_mode_gives_the_ieee_answer_on_huge_blocks_too():
     assert_same_bits((packed, state4.absmax), ref.quantize_4bit(A, 64, "fp4", flush=False))
 
 
-def test_int8_rows_of_subnormals_are_zero_rows():
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_int8_rows_of_subnormals_are_zero_rows(dtype):
     """Row and column maxima ignore float32 subnormals (an all-subnormal row has row_stats 0 and
-    codes 0, like a zero row); a subnormal element's code is 0: the reference on the input with its
-    subnormals flushed."""
+    codes 0, like a zero row); a subnormal element's code is 0: the flushed reference, which is the
+    IEEE reference of the input with its subnormals replaced by zeros."""
     import reference_int8 as R8
 
     g = torch.Generator().manual_seed(4)
@@ -209,15 +214,19 @@ def test_int8_rows_of_subnormals_are_zero_rows():
     A[1] = (torch.rand(96, generator=g) * 2 - 1) * TINY * 0.9  # all subnormal
     A[3, ::3] = 3e-39  # subnormal elements in an ordinary row
     A[4] = (torch.rand(96, generator=g) * 2 - 1) * TINY * 8  # tiny normal row with subnormals
-    flushed = torch.where(A.abs() < TINY, 0.0 * A, A)
+    A = A.to(dtype)
     with use_emulated_kernels():
         got = F.int8_vectorwise_quant(A, threshold=0.0)
         got_double = torch.ops.bitsandbytes.int8_double_quant(A, 6.0)
-    assert_same_bits(got[:2], R8.int8_vectorwise_quant(flushed, 0.0)[:2], "int8_vectorwise_quant")
+    want = R8.int8_vectorwise_quant(A, 0.0)
+    assert_same_bits(got[:2], want[:2], "int8_vectorwise_quant")
     assert float(got[1][1]) == 0 and not got[0][1].any()
-    want_double = R8.int8_double_quant(flushed, 6.0)
+    want_double = R8.int8_double_quant(A, 6.0)
     assert_same_bits(got_double[:4], want_double[:4], "int8_double_quant")
     assert_same_bits(got_double[4], want_double[4], "outlier columns")
+    flushed = torch.where(A.abs() < TINY, 0.0 * A, A)
+    assert_same_bits(want[:2], R8.int8_vectorwise_quant(flushed, 0.0, flush=False)[:2])
+    assert R8.int8_vectorwise_quant(A, 0.0, flush=False)[1][1] > 0  # IEEE: a subnormal statistic
 
 
 def test_8bit_optimizer_state_above_2_to_126_requantizes_exactly():
@@ -237,3 +246,79 @@ def test_8bit_optimizer_state_above_2_to_126_requantizes_exactly():
         torch.ops.bitsandbytes.optimizer_update_8bit_blockwise(*got)
     dev = oi.compare_8bit(got, want, p_before=args[2])
     assert torch.equal(got[3], want.state1) and torch.equal(got[14], want.absmax1), dev
+
+
+def test_8bit_adam_second_moment_above_2_to_126_requantizes_exactly():
+    """Adam's second moment v = (1 - beta2) * g * g above 2^126 in every block (the unsigned state)
+    re-quantizes to the reference's codes and absmax, as does the first moment; nothing there is a
+    float32 subnormal, so the Apple and IEEE references agree."""
+    import optim_inputs as oi
+    import reference_optim as R
+
+    n = 700
+    g = torch.randn(n, generator=torch.Generator().manual_seed(12)) * 1e19
+    g[::89] = 1.7e20  # (1 - 0.995) * g * g = 1.4e38 > 2^126, without overflowing g * g's float32 steps
+    args = oi.args_8bit("adam", n, torch.float32, step=1, weight_decay=0.0, gnorm_scale=1.0, g=g)
+    want = R.optimizer_8bit(*oi.clone(args))
+    assert (want.absmax2 > 2.0**126).all() and torch.isfinite(want.absmax2).all()
+    ieee = R.optimizer_8bit(*oi.clone(args), flush=False)
+    assert torch.equal(want.state2, ieee.state2) and torch.equal(want.absmax2, ieee.absmax2)
+    got = oi.clone(args)
+    with use_emulated_kernels():
+        torch.ops.bitsandbytes.optimizer_update_8bit_blockwise(*got)
+    dev = oi.compare_8bit(got, want, p_before=args[2])
+    assert torch.equal(got[4], want.state2) and torch.equal(got[15], want.absmax2), dev
+    assert torch.equal(got[3], want.state1) and torch.equal(got[14], want.absmax1), dev
+    assert len(torch.unique(got[4])) > 20  # spread over the code book, not collapsed to code 0
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_4bit_matmul_huge_blocks_and_subnormal_activations(dtype, nested):
+    """bnb.matmul_4bit (gemv at M = 1, the batch kernel at M = 5, mma at M = 40) of a weight whose
+    first block of every row (columns 0..63; of two rows with double quantization) has its absmax
+    above 2^126, quantized by the kernels (checked against the IEEE reference quantizer), with and
+    without double quantization of the block scales (whose nested block is then above 2^126 too).
+    The activations in those columns are float32 / bfloat16 subnormals, which count as zero: the
+    result is the flushed reference's, and (with plain scales, where the rest of the sum is of
+    ordinary size) not the IEEE answer, in which those products add about 0.1 each."""
+    import reference_matmul_4bit as R
+    import bitsandbytes as bnb
+
+    N, K, bs = 8, 128, 64
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(13))
+    rows = N if not nested else 2  # rows whose first block is huge
+    # (double quantization's offset is the mean of the absmax vector, whose float32 sum overflows
+    # beyond 3.4e38: with nested scales, two huge blocks, 1.5 * 2^126 and just above 2^126)
+    W[:rows, : K // 2] = huge_blocks(rows, K // 2, torch.float32, seed=14).reshape(rows, K // 2)
+    quant_type = "fp4" if nested else "nf4"
+    code8 = F.create_dynamic_map(signed=True)
+    with use_emulated_kernels() as kernels:
+        packed, state = F.quantize_4bit(W, blocksize=bs, quant_type=quant_type, compress_statistics=nested)
+        want_packed, want_absmax = ref.quantize_4bit(W, bs, quant_type, flush=False)
+        assert torch.equal(packed.reshape(-1), want_packed.reshape(-1))
+        if nested:
+            q8, nested_absmax, offset = ref.double_quantize(want_absmax, code8)
+            assert torch.equal(state.absmax, q8) and torch.equal(state.state2.absmax, nested_absmax)
+            assert nested_absmax.max() > 2.0**126
+            weight = (want_packed, (N, K), bs, quant_type, nested_absmax, q8, code8, offset)
+        else:
+            assert torch.equal(state.absmax, want_absmax)
+            weight = (want_packed, (N, K), bs, quant_type, want_absmax)
+        for M in (1, 5, 40):
+            g = torch.Generator().manual_seed(M)
+            A = torch.randn(M, K, generator=g)
+            A[:, : K // 2] = (torch.rand(M, K // 2, generator=g) - 0.5) * 2 * TINY
+            A = A.to(dtype)
+            assert ((A[:, : K // 2].float().abs() < TINY) & (A[:, : K // 2] != 0)).float().mean() > 0.9
+            kernels.launches.clear()
+            with torch.no_grad():
+                y = bnb.matmul_4bit(A, packed.t(), state)
+            assert [k for k in kernels.launched if "_4bit_" in k and k.startswith(("bnb_gemv", "bnb_gemm"))]
+            assert torch.isfinite(y).all()
+            W_apple, parts = R.dequantized_weight(*weight), R.weight_parts(*weight)
+            R.check_accuracy(y, A, W_apple, parts=parts)
+            if not nested:
+                W_ieee, parts_ieee = R.dequantized_weight(*weight, flush=False), R.weight_parts(*weight, flush=False)
+                with pytest.raises(AssertionError):
+                    R.check_accuracy(y, A, W_ieee, flush=False, parts=parts_ieee)

@@ -4,7 +4,10 @@ Every op runs through the op layer's launchers (bnb_mps.ops.int8) on an executor
 the emulator with a chosen lane order, race checking and poison byte. Quantized codes, statistics
 and int32 products must equal the reference bit for bit; dequantized outputs too (the kernels
 round the way docs/semantics.md writes it), except int8_mixed_scaled_mm's fp outlier part, whose float32 sum
-is compared with the exact sum within the rounding it allows.
+is compared with the exact sum within the rounding it allows. The emulator's default float mode
+flushes float32 subnormals as Apple GPUs do, and the reference models it (docs/semantics.md section 7,
+tests/reference_int8.py's flush mode, its default); the Apple float tests at the end also run the
+dequantizers in the "ieee" mode against the IEEE reference.
 """
 
 from __future__ import annotations
@@ -490,3 +493,111 @@ def test_quant_matches_stock_bitsandbytes_on_finite_data(library):
     stock = np.rint(a * ((np.float32(1) / rs) * np.float32(127)))
     assert np.array_equal(differ.numpy(), (spec != stock) & ~np.isin(np.arange(96), got[2].numpy())[None, :])
     assert (got[0].int() - want[0].int()).abs().max() <= 1
+
+
+# -- Apple float semantics: float32 subnormals (docs/semantics.md section 7) ----------------------------------
+
+TINY = 2.0**-126  # the smallest normal float32
+
+
+class ModeExecutor(EmulatedExecutor):
+    """kernel_harness's executor with an explicit float mode: "apple" or "ieee"."""
+
+    def __init__(self, lib, float_mode, **kwargs):
+        super().__init__(lib, **kwargs)
+        self.float_mode = float_mode
+
+    def launch(self, kernel, *, grid, threadgroup, args):
+        self.launches.append(kernel)
+        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
+                        race_check=self.race_check, poison=self.poison, seed=self.seed, float_mode=self.float_mode)
+
+
+def with_subnormals(rows: int, cols: int, dtype, seed: int) -> torch.Tensor:
+    """Activations with a row of zeros and subnormals, a column of them, subnormal elements in
+    ordinary rows, a row of tiny normal values with subnormals among them, and outliers."""
+    r = gen(seed)
+    sub = lambda *shape: (torch.rand(*shape, generator=r) - 0.5) * 2 * TINY  # noqa: E731
+    A = torch.randn(rows, cols, generator=r) * 1.5
+    A[1] = sub(cols)
+    A[1, ::5] = 0.0
+    A[:, 2] = sub(rows)
+    A[3, ::3] = sub(A[3, ::3].numel())
+    A[4] = torch.randn(cols, generator=r) * TINY * 4
+    A[0, 5], A[5, 7] = 9.0, -8.0  # outliers at threshold 6
+    return A.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_subnormal_activations_quantize_as_zeros(library, dtype):
+    """float32 / bfloat16 elements below 2^-126 count as zero: a row (column) of zeros and
+    subnormals has statistic 0 and codes 0, a subnormal element gets code 0 and is never an
+    outlier; the tiny normal row quantizes as usual. Also under random lane orders with race
+    checking."""
+    A = with_subnormals(7, 40, dtype, seed=1)
+    for order in ("forward", "random"):
+        ex = ModeExecutor(library, "apple", order=order, race_check=order == "random", seed=2)
+        for threshold in (0.0, 6.0):
+            CA, row_stats, _ = check_vectorwise_quant(ex, A, threshold)
+            assert row_stats[1] == 0 and not CA[1].any()
+            assert row_stats[4] > 0 and CA[4].abs().max() == 127
+            got = check_double_quant(ex, A, threshold)
+            assert got[3][2] == 0 and not got[1][:, 2].any()  # the subnormal column: stat 0, codes 0
+    # The IEEE reference differs here (subnormal maxima): the case is exercised.
+    assert ref.int8_vectorwise_quant(A, 0.0, flush=False)[1][1] > 0
+    # A float16 input has no float32 subnormal: its subnormals (2^-24 and up) are ordinary values.
+    h = (torch.rand(3, 64, generator=gen(3)) * 6e-5).half()
+    CA, row_stats, _ = check_vectorwise_quant(ModeExecutor(library, "apple"), h, 0.0)
+    assert (row_stats > 0).all() and (CA.abs().amax(1) == 127).all()
+
+
+@pytest.mark.parametrize("M", (1, 3, 20, 40), ids=lambda m: int8_ops.matmul_path(m, 48)[0])
+def test_dequantized_outputs_below_2_to_126_flush(library, M):
+    """int8_vectorwise_dequant, int8_mm_dequant and int8_scaled_mm (every product path) with
+    statistics near 2^-60, so that float32 products and results fall below 2^-126, and subnormal
+    float32 / bfloat16 biases: zeros (of their sign) in the "apple" float mode, as the flushed
+    reference has them, IEEE's subnormals in the "ieee" mode; float16 outputs are the same in
+    both."""
+    N, K = 24, 48
+    A8, B8 = int8s((M, K), seed=M), int8s((N, K), seed=M + 1)
+    rs = torch.rand(M, generator=gen(M + 2)) * 2.0**-60 + 2.0**-62
+    cs = torch.rand(N, generator=gen(M + 3)) * 2.0**-60 + 2.0**-62
+    apple, ieee = ModeExecutor(library, "apple"), ModeExecutor(library, "ieee")
+    tiny_stats = rs * 2.0**-64  # codes * stats near 2^-120, times 1/127
+    got = run("int8_vectorwise_dequant", apple, A8, tiny_stats)
+    assert same_bits(got, ref.int8_vectorwise_dequant(A8, tiny_stats))
+    got_ieee = run("int8_vectorwise_dequant", ieee, A8, tiny_stats)
+    assert same_bits(got_ieee, ref.int8_vectorwise_dequant(A8, tiny_stats, flush=False))
+    differ = int((got != got_ieee).sum())
+    acc = ref.int8_linear_matmul(A8, B8)
+    for dtype in DTYPES:
+        for bias in (None, (torch.rand(N, generator=gen(M + 4)) - 0.5).mul(2 * TINY).to(dtype) if dtype != torch.float16
+                     else torch.randn(N, generator=gen(M + 4)).mul(1e-5).half()):  # fmt: skip
+            for flush, ex in ((True, apple), (False, ieee)):
+                deq = run("int8_mm_dequant", ex, acc, rs, cs, dtype, bias)
+                assert same_bits(deq, ref.int8_mm_dequant(acc, rs, cs, dtype, bias, flush=flush)), (dtype, flush)
+                scaled = run("int8_scaled_mm", ex, A8, B8, rs, cs, bias, dtype)
+                assert same_bits(scaled, ref.int8_scaled_mm(A8, B8, rs, cs, bias, dtype, flush=flush)), (dtype, flush)
+                if flush:
+                    apple_out = scaled
+            if dtype == torch.float16:
+                assert same_bits(apple_out, scaled)  # float16 outputs: the same in both modes
+            else:
+                differ += int((apple_out != scaled).sum())
+    assert differ > 0  # subnormal results arise, and the two modes differ on them
+
+
+def test_mixed_product_with_subnormal_activations(library):
+    """int8_mixed_scaled_mm: subA copies A's elements as they are (subnormals included), and the
+    outlier part counts the float32 / bfloat16 subnormal activations as zero (within the float32
+    allowance of the flushed reference)."""
+    ex = ModeExecutor(library, "apple", order="reverse")
+    for dtype in (torch.float32, torch.bfloat16):
+        for M in (1, 4, 20, 40):
+            A = with_subnormals(max(M, 6), 48, dtype, seed=M)[:M].contiguous()
+            A[0, 9] = 7.5  # an outlier column in every case, subnormals below the outlier
+            A[1:, 9] = ((torch.rand(M - 1, generator=gen(M)) - 0.5) * 2 * TINY).to(dtype)
+            CA, SCA, cols = run("int8_vectorwise_quant", ex, A, 6.0)
+            CB, SCB, _ = ref.int8_vectorwise_quant(activations((24, 48), dtype, seed=M + 9), 0.0)
+            out = check_mixed(ex, A, CA, CB, SCA, SCB, cols, None)
+            assert torch.isfinite(out).all()

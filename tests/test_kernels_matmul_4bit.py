@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -302,3 +303,202 @@ def test_launch_geometry(M, kernel, grid, threads):
     rec = RecordingExecutor()
     call(OPS["gemm_4bit"], args, {}, rec)
     assert [(k, g, t) for k, g, t, _ in rec.launches] == [(kernel, grid, threads)]
+
+
+# -- Apple float semantics: huge and subnormal block scales and activations (docs/semantics.md section 7) --
+#
+# Every case runs on the three paths, in the emulator's "apple" float mode (float32 subnormals
+# flushed, as on Apple GPUs) against the flushed reference, and in its "ieee" mode against the IEEE
+# one. Where the two answers differ, the Apple result is also shown not to be the IEEE answer (the
+# case is exercised) and its flushed contributions to be exact zeros; where they agree (no float32
+# value below 2^-126 anywhere), the two modes give the same bits.
+
+TINY = 2.0**-126  # the smallest normal float32
+FMAX = float(torch.finfo(torch.float32).max)
+APPLE_PATHS = {"gemv": 1, "batch": 5, "mma": 40}  # M of each path at K = 128 (and 256)
+HUGE_SCALES = [1.5 * 2.0**126, 2.0**126 * (1 + 2.0**-23), 2.0**127, 1e38, 3e38, FMAX]
+
+
+class ModeExecutor(EmulatedExecutor):
+    """kernel_harness's executor with an explicit float mode: "apple" or "ieee"."""
+
+    def __init__(self, lib, float_mode, **kwargs):
+        super().__init__(lib, **kwargs)
+        self.float_mode = float_mode
+
+    def launch(self, kernel, *, grid, threadgroup, args):
+        self.launches.append(kernel)
+        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
+                        race_check=self.race_check, poison=self.poison, seed=self.seed, float_mode=self.float_mode)
+
+
+def unit_blocks(N: int, K: int, blocksize: int, quant_type: str, seed: int) -> torch.Tensor:
+    """Nibbles of a random weight whose every block has absmax 1, packed: with a block scale s the
+    weight is table[nibble] * s (the scales are set by the test, not by the quantizer)."""
+    W = torch.randn(N * K, generator=gen(seed), dtype=torch.float64).reshape(-1, blocksize)
+    W = (W / W.abs().amax(1, keepdim=True)).float().reshape(N, K)
+    nib, absmax = ref.quantize_4bit_nibbles(W, blocksize, quant_type, flush=False)
+    assert (absmax == 1).all()
+    return torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1)
+
+
+def product_in_both_modes(library, A, args: list, shapeB, blocksize, quant_type, nested_args=()):
+    """gemm_4bit in the "apple" and "ieee" float modes, each checked against its reference; returns
+    (y_apple, y_ieee, references) with references[flush] = (W, parts)."""
+    N = shapeB[0]
+    refs = {}
+    ys = {}
+    for mode, flush in (("apple", True), ("ieee", False)):
+        ex = ModeExecutor(library, mode, order="random", seed=A.shape[0])
+        y = call(OPS["gemm_4bit"], tuple(args), {}, ex)
+        W = R.dequantized_weight(args[1], shapeB, blocksize, quant_type, args[3], *nested_args, flush=flush)
+        parts = R.weight_parts(args[1], shapeB, blocksize, quant_type, args[3], *nested_args, flush=flush)
+        R.check_accuracy(y.reshape(-1, N), A.reshape(-1, A.shape[-1]), W, flush=flush, parts=parts)
+        refs[flush], ys[mode] = (W, parts), y
+    return ys["apple"], ys["ieee"], refs
+
+
+def is_not_the_ieee_answer(y, A, refs) -> bool:
+    W, parts = refs[False]
+    try:
+        R.check_accuracy(y.reshape(-1, W.shape[0]), A.reshape(-1, A.shape[-1]), W, flush=False, parts=parts)
+    except AssertionError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("path", list(APPLE_PATHS))
+def test_huge_block_scales(library, path, dtype):
+    """Block scales above 2^126 up to the float32 maximum: the products are those of the IEEE
+    reference, in both float modes, bit for bit the same (no float32 value below 2^-126 arises)."""
+    M, N, K, bs = APPLE_PATHS[path], 9, 128, 64
+    for quant_type in ("nf4", "fp4"):
+        packed = unit_blocks(N, K, bs, quant_type, seed=M)
+        absmax = torch.tensor([HUGE_SCALES[b % len(HUGE_SCALES)] for b in range(N * K // bs)], dtype=torch.float32)
+        A = (torch.randn(M, K, generator=gen(M + 1)) * 2.0**-24).to(dtype)  # |y| stays below the maximum
+        y, y_ieee, _ = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
+                                             quant_type)  # fmt: skip
+        assert torch.equal(y, y_ieee) and y.float().abs().max() > 2.0**100 and torch.isfinite(y).all()
+    assert path_of(Case(M, N, K)) == path
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("path", list(APPLE_PATHS))
+def test_subnormal_activations_count_as_zero(library, path, dtype):
+    """Activations below 2^-126 (float32, bfloat16) count as zero: here they meet weights above
+    2^100, where IEEE's products (about 0.01 to 1 each) would change the result."""
+    M, N, K, bs = APPLE_PATHS[path], 9, 128, 64
+    r = gen(M + 2)
+    A = torch.randn(M, K, generator=r)
+    A[:, : K // 2] = (torch.rand(M, K // 2, generator=r) - 0.5) * 2 * TINY  # subnormals, both signs
+    A[:, : K // 2 : 7] = 0.0
+    A = A.to(dtype)
+    sub = (A.float().abs() < TINY) & (A != 0)
+    assert sub.sum() > M * K // 3
+    for quant_type in ("nf4", "fp4"):
+        packed = unit_blocks(N, K, bs, quant_type, seed=M)
+        # Each weight row: block 0 (columns 0..63, the subnormal activations) huge, block 1 ordinary.
+        absmax = torch.tensor([HUGE_SCALES[b // 2 % 6] if b % 2 == 0 else 1.0 for b in range(2 * N)])
+        y, y_ieee, refs = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
+                                                quant_type)  # fmt: skip
+        assert is_not_the_ieee_answer(y, A, refs)
+        # The same bits as with those activations replaced by zeros.
+        A0 = torch.where(sub, A * 0, A)
+        y0 = call(OPS["gemm_4bit"], (A0, packed, [N, K], absmax, bs, quant_type), {}, ModeExecutor(library, "apple"))
+        assert torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("path", list(APPLE_PATHS))
+def test_subnormal_block_scales_count_as_zero(library, path, dtype):
+    """Block scales below 2^-126 count as zero: weight rows whose blocks all have such scales give
+    exactly 0, where IEEE's products with activations near 1e30 are about 1e-9 each; rows with
+    ordinary scales are unaffected."""
+    M, N, K, bs = APPLE_PATHS[path], 10, 128, 64
+    subnormal_scales = [1e-39, -5e-40, 2.0**-149, TINY * (1 - 2.0**-23), 3e-39]
+    absmax = torch.tensor([subnormal_scales[b // 2 % 5] if b // 2 % 2 == 0 else 2.0**-100 for b in range(2 * N)])
+    A = (torch.randn(M, K, generator=gen(M + 3)) * 1e30).to(dtype)
+    for quant_type in ("nf4", "fp4"):
+        packed = unit_blocks(N, K, bs, quant_type, seed=M + 1)
+        y, y_ieee, refs = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
+                                                quant_type)  # fmt: skip
+        assert torch.equal(y[:, 0::2], torch.zeros_like(y[:, 0::2]))  # rows of subnormal scales
+        assert (y_ieee[:, 0::2] != 0).any() and (y[:, 1::2] != 0).all()
+        assert is_not_the_ieee_answer(y, A, refs)
+
+
+@pytest.mark.parametrize("path", list(APPLE_PATHS))
+def test_float16_subnormal_activations_are_kept(library, path):
+    """float16 subnormals (2^-24 to 2^-14) are normal floats once widened: the product is the IEEE
+    one in both modes."""
+    M, N, K, bs = APPLE_PATHS[path], 9, 128, 64
+    A = ((torch.rand(M, K, generator=gen(M + 4)) - 0.5) * 2 * 6e-5).half()
+    assert (A.abs() < torch.finfo(torch.float16).tiny).float().mean() > 0.9
+    for quant_type in ("nf4", "fp4"):
+        packed = unit_blocks(N, K, bs, quant_type, seed=M + 2)
+        absmax = torch.full((2 * N,), 2.0**10)
+        y, y_ieee, _ = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
+                                             quant_type)  # fmt: skip
+        assert torch.equal(y, y_ieee) and (y != 0).float().mean() > 0.5
+
+
+CODE8 = bnb_functional.create_dynamic_map(signed=True)
+_C = CODE8.numpy()
+#: codes of the dynamic map whose product with 2^-120 is a float32 subnormal, and those near 0.5
+_SMALL_CODES = [int(i) for i in np.flatnonzero((np.abs(_C) < 2.0**-6) & (_C != 0))]
+_HALF = int(np.argmin(np.abs(_C - 0.5)))
+
+
+def nested_weight(N, K, bs, quant_type, q_of_block, nested, offset, seed):
+    """gemm_4bit's nested arguments for a weight of unit blocks: absmax_8bit from `q_of_block(b)`,
+    `nested` (one value per 256 blocks), a float32 offset."""
+    packed = unit_blocks(N, K, bs, quant_type, seed=seed)
+    q8 = torch.tensor([q_of_block(b) for b in range(N * K // bs)], dtype=torch.uint8)
+    offset = torch.tensor(offset, dtype=torch.float32)
+    return packed, torch.tensor(nested, dtype=torch.float32), (q8, CODE8.clone(), offset)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("path", list(APPLE_PATHS))
+def test_nested_block_scales_huge_and_subnormal(library, path, dtype):
+    """Double-quantized scales scale_b = fl32(fl32(code[q_b] * nested[b // 256]) + offset) (N = 64,
+    K = 256, blocksize 32: two nested groups of 256 blocks, rows 0..31 and 32..63):
+    - huge: nested scales 3e38 and 2^127, codes of magnitude 0.5 to 1, offset 1e37: scales up to
+      3.1e38, the IEEE answer in both modes;
+    - products below 2^-126: nested 2^-120 with codes below 2^-6 (rows 0..15), nested 1e-39 (rows
+      32..63): those scales are 0, so are their rows' outputs, while codes from 0.25 up give ordinary
+      scales (rows 16..31);
+    - sums below 2^-126: nested 2^-120, offset -fl32(code[q] * 2^-120) for the code q nearest 0.5,
+      and its neighbours q - 1, q, q + 1 in rows 0..15 (scales 0 on the GPU, +-0.9 * 2^-126 or 0 in
+      IEEE), codes far from q in rows 16..31, nested 1 in rows 32..63."""
+    M, N, K, bs = APPLE_PATHS[path], 64, 256, 32
+    blocks_per_row = K // bs
+    big = [i for i in range(256) if abs(_C[i]) >= 0.25]
+    # (scales within a factor of 3 of each other: with a few dominant terms a float32 sum of 256
+    # terms may be more than section 4's 4 ulps of the magnitude away, whatever the float mode)
+    half_up = [i for i in range(256) if abs(_C[i]) >= 0.5]
+    far = [i for i in range(256) if abs(_C[i] - _C[_HALF]) > 0.05]
+    r = np.random.default_rng(M)
+    row = lambda b: b // blocks_per_row  # noqa: E731
+    minus_half = -float(np.float32(_C[_HALF]) * np.float32(2.0**-120))
+    cases = {
+        "huge": (lambda b: int(r.choice(half_up)), [3e38, 2.0**127], 1e37, 2.0**-30),
+        "products": (lambda b: int(r.choice(_SMALL_CODES)) if row(b) < 16 else int(r.choice(big)), [2.0**-120, 1e-39],
+                     0.0, 1e30),
+        "sums": (lambda b: _HALF + int(r.integers(-1, 2)) if row(b) < 16 else int(r.choice(far)), [2.0**-120, 1.0],
+                 minus_half, 1e30),
+    }  # fmt: skip
+    for label, (q_of_block, nested, offset, a_scale) in cases.items():
+        quant_type = "fp4" if label == "sums" else "nf4"
+        packed, nested_t, nested_args = nested_weight(N, K, bs, quant_type, q_of_block, nested, offset, seed=M + 5)
+        A = (torch.randn(M, K, generator=gen(M + 6)) * a_scale).to(dtype)
+        args = [A, packed, [N, K], nested_t, bs, quant_type, None, *nested_args]
+        y, y_ieee, refs = product_in_both_modes(library, A, args, (N, K), bs, quant_type, nested_args)
+        if label == "huge":
+            assert torch.equal(y, y_ieee) and y.float().abs().max() > 2.0**100, label
+            continue
+        zero_rows = list(range(16)) + (list(range(32, 64)) if label == "products" else [])
+        assert torch.equal(y[:, zero_rows], torch.zeros_like(y[:, zero_rows])), label
+        assert (y[:, 16:32] != 0).all() and (y_ieee[:, :16] != 0).any(), label
+        assert is_not_the_ieee_answer(y, A, refs), label

@@ -161,6 +161,39 @@ def test_feature_cases_pass_under_the_emulator(emulated, family):
         assert feature in text, (family.name, feature)
 
 
+def test_flush_cases_tell_apple_from_ieee():
+    """Every case that holds float32 values an Apple GPU flushes (docs/semantics.md section 7) states what
+    IEEE arithmetic would give, and its comparison rejects that: the case does exercise the flush.
+    The int8 and optimizer families have such cases at their CPU sizes (rows and columns of
+    subnormals, statistics near 2^-64, subnormal gradients, states decaying below 2^-126), and
+    special values where their sections define them (NaN and -inf activations, 8-bit state blocks
+    above 2^126)."""
+    seen = {}
+    for family in fam.FAMILIES:
+        for n in family.cpu_sizes:
+            for case in family.cases(n):
+                if case.ieee_want is None:
+                    continue
+                seen.setdefault(family.name, []).append(case.label)
+                with pytest.raises(AssertionError):
+                    case.compare(case.ieee_want, case.want, case.label)
+    assert {"int8", "optimizers"} <= set(seen), seen.keys()
+    labels = " ".join(label for family in ("int8", "optimizers") for label in seen[family])
+    for op in ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant",
+               "int8_scaled_mm", "optimizer_update_8bit_blockwise", "optimizer_update_32bit"):
+        assert op in labels, op
+    optim = [c.label for n in fam.FAMILIES[4].cpu_sizes for c in fam.FAMILIES[4].cases(n)]
+    assert sum("above 2^126" in label for label in optim) == 2
+
+
+def test_int8_specials_are_placed():
+    x = fam._int8_specials(torch.randn(16, 256).to(torch.bfloat16))
+    tiny = torch.finfo(torch.bfloat16).tiny
+    assert (x[2].float().abs() < tiny).all() and (x[2] != 0).sum() > 100
+    assert (x[:, 2].float().abs() < tiny).all() and torch.isnan(x[4]).sum() == 1 and torch.isinf(x[5]).sum() == 1
+    assert fam._int8_specials(torch.ones(1, 1)).equal(torch.ones(1, 1))  # no room: unchanged
+
+
 def test_a_wrong_reference_is_caught(emulated):
     """The harness fails when the kernel result differs from the reference."""
     case = next(iter(fam.FAMILIES[0].cases(1000)))
