@@ -141,25 +141,33 @@ def metal_info(macos: Optional[str], repo: Path = REPO) -> dict[str, Any]:
         try:
             from bnb_mps.executors import native as native_tier
 
+            runtime = native_tier.runtime_language_version(native)
             kind, _ = native_tier.choose_library(native.embedded_source(), native_tier.current_kernel_source(),
-                                                 Path(native.__file__).with_name(native_tier.METALLIB_NAME))
+                                                 Path(native.__file__).with_name(native_tier.METALLIB_NAME),
+                                                 runtime)  # fmt: skip
             info["native_kernels_from"] = {"metallib": "the metallib built at install time (xcrun metal)",
                                            "source": "the kernel source, compiled at first use"}[kind]
             if kind == "metallib":
                 info["language_version"] = "Metal 3.1 (-std=metal3.1)"
                 info["language_version_source"] = "csrc/mps.cmake builds the metallib with -std=metal3.1"
+            elif runtime is not None:
+                info["language_version"] = f"MSL {runtime[0]}.{runtime[1]}"
+                info["language_version_source"] = ("what the native library's compile_library requests here "
+                                                   "(bnb_mps._native.language_version())")
         except Exception as e:
             info["native_kernels_from"] = f"unknown ({type(e).__name__}: {e})"
     if info["language_version"] is None:
         major = _major(macos)
         if major is None:
             info["language_version"] = "n/a (not macOS)"
+        elif major >= 15:
+            info["language_version"] = "MSL 3.2 (MTLLanguageVersion3_2)"
         elif major >= 14:
             info["language_version"] = "MSL 3.1 (MTLLanguageVersion3_1)"
         else:
             info["language_version"] = "the OS compiler's default (macOS < 14: no version requested)"
-        info["language_version_source"] = ("csrc/mps_ops.mm requests MTLLanguageVersion3_1 when compiling the "
-                                           "kernel source on macOS 14 and later")
+        info["language_version_source"] = ("csrc/mps_ops.mm requests MTLLanguageVersion3_2 when compiling the "
+                                           "kernel source on macOS 15 and later, 3_1 on macOS 14")
     if platform.system() == "Darwin":
         out = _run(["system_profiler", "SPDisplaysDataType"], timeout=60) or ""
         m = re.search(r"Metal(?: Support| Family)?:\s*(.+)", out)
@@ -331,6 +339,22 @@ def benchmark_markdown(bench: Optional[dict[str, Any]]) -> str:
         return "(not run)"
     if "error" in bench:
         return f"(results {bench['error']})"
+    if bench.get("mode") == "host":  # scripts/bench_op_overhead.py
+        out = []
+        for key, title in (("no_op_launch", "op layer, kernel launch replaced by a no-op"),
+                           ("native", "native tier, real launches on mps")):  # fmt: skip
+            result = bench.get(key)
+            if not result:
+                continue
+            if "error" in result:
+                out.append(f"{title}: not measured ({result['error']})")
+                continue
+            rows = [[name, r["total_us"], r["floor_us"], r["share_us"], f"{r['share_per_add']:.1f}x"]
+                    for name, r in result["rows"].items()]  # fmt: skip
+            out.append(f"{title} (torch.add on tiny tensors: {result['torch_add_us']:.2f} us; "
+                       f"op keys: {bench.get('metadata_key', '?')})\n\n"
+                       + markdown_table(["call", "total us", "floor us", "bnb-mps us", "bnb-mps / torch.add"], rows))
+        return "\n\n".join(out) or "(no results)"
     cases = bench.get("cases") or bench.get("results") or []
     if not cases:
         return "(no results)"
@@ -486,7 +510,9 @@ def _all_buckets(t: dict[str, Any]):
 
 
 BENCHMARKS = (("kernels (scripts/bench_kernels.py --short)", "bench_kernels.json", "scripts/bench_kernels.py"),
-              ("optimizers (scripts/bench_optimizers.py --short)", "bench_optimizers.json", "scripts/bench_optimizers.py"))
+              ("optimizers (scripts/bench_optimizers.py --short)", "bench_optimizers.json", "scripts/bench_optimizers.py"),
+              ("host cost per op call (scripts/bench_op_overhead.py --native)", "bench_op_overhead.json",
+               "scripts/bench_op_overhead.py"))
 
 
 def build_report(work: Path, dry_run: bool, repo: Path = REPO) -> dict[str, Any]:

@@ -144,6 +144,12 @@ step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
   "$VPY" "$REPO/scripts/bench_kernels.py" --short --json "$WORK/bench_kernels.json" \
     --chart "$OUT/bench_kernels.png" || FAILED=1
 
+# Host cost per op call: the op layer with a no-op launch against a trivial kernel, and on a Mac the
+# native tier's real launches (the pybind11 call and the encoding on PyTorch's stream).
+step "host cost per op call" "$WORK/bench_op_overhead.log" "" -- \
+  "$VPY" "$REPO/scripts/bench_op_overhead.py" --native --rounds "$([ "$DRY" = 1 ] && echo 2 || echo 15)" \
+    --calls "$([ "$DRY" = 1 ] && echo 50 || echo 2000)" --json "$WORK/bench_op_overhead.json" || FAILED=1
+
 if [ -f "$REPO/scripts/bench_optimizers.py" ]; then
   step "optimizer benchmarks (short)" "$WORK/bench_optimizers.log" "" -- \
     "$VPY" "$REPO/scripts/bench_optimizers.py" --short --json "$WORK/bench_optimizers.json" || FAILED=1

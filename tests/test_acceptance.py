@@ -99,11 +99,14 @@ def test_verdicts(tmp_path):
 
 
 def test_metal_language_version_is_what_the_native_library_requests():
+    assert ar.metal_info("15.1")["language_version"].startswith("MSL 3.2")
+    assert ar.metal_info("26.0")["language_version"].startswith("MSL 3.2")
     assert ar.metal_info("14.5")["language_version"].startswith("MSL 3.1")
     assert "no version requested" in ar.metal_info("13.6")["language_version"]
     assert ar.metal_info(None)["language_version"].startswith("n/a")
     # the rule quoted in the report is the one in the source
-    assert "MTLLanguageVersion3_1" in (REPO / "csrc" / "mps_ops.mm").read_text()
+    mm = (REPO / "csrc" / "mps_ops.mm").read_text()
+    assert "MTLLanguageVersion3_2" in mm and "MTLLanguageVersion3_1" in mm and "@available(macOS 15.0, *)" in mm
 
 
 def test_benchmark_tables_for_every_format():
@@ -113,6 +116,12 @@ def test_benchmark_tables_for_every_format():
     other = {"results": [{"optimizer": "adam", "ms": 1.5}]}
     assert "| optimizer | ms |" in ar.benchmark_markdown(other) and "| adam | 1.5 |" in ar.benchmark_markdown(other)
     assert ar.benchmark_markdown(None) == "(not run)"
+    host = {"mode": "host", "metadata_key": "C++", "no_op_launch": {"torch_add_us": 2.0, "rows": {
+        "gemv_4bit": {"total_us": 12.0, "floor_us": 10.0, "share_us": 2.0, "share_per_add": 1.0}}},
+        "native": {"error": "the native tier does not serve here"}}  # fmt: skip
+    md = ar.benchmark_markdown(host)
+    assert "| gemv_4bit | 12 | 10 | 2 | 1.0x |" in md and "torch.add on tiny tensors: 2.00 us" in md
+    assert "native tier, real launches on mps: not measured (the native tier does not serve here)" in md
 
 
 def test_refuses_to_run_without_apple_silicon(tmp_path):
@@ -135,10 +144,11 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     md = (tmp_path / "acceptance-report.md").read_text()
     data = json.loads((tmp_path / "acceptance-report.json").read_text())
     assert data["dry_run"] and data["verdict"].startswith("DRY RUN passed")
-    assert [s["name"] for s in data["steps"]][:6] == ["create the venv and install bnb-mps", "python -m bnb_mps",
+    assert [s["name"] for s in data["steps"]][:7] == ["create the venv and install bnb-mps", "python -m bnb_mps",
                                                       "test suite", "kernel verification (cold)",
-                                                      "kernel verification (cached)", "kernel benchmarks (short)"]
-    assert all(s["status"] == 0 for s in data["steps"][:6])
+                                                      "kernel verification (cached)", "kernel benchmarks (short)",
+                                                      "host cost per op call"]
+    assert all(s["status"] == 0 for s in data["steps"][:7])
     # First-use verification, cold then from the cache (the emulated tier here: no GPU tier).
     cold, cached = data["verification"]["cold"], data["verification"]["cached"]
     assert cold["tier"] == "emulated" and all(f["passed"] and not f["cached"] for f in cold["families"].values())
@@ -147,6 +157,10 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     assert data["tests"]["totals"]["passed"] > 0 and data["tests"]["totals"]["failed"] == 0
     assert set(data["tests"]["gpu_families"]) >= {"blockwise_8bit", "nf4_fp4"}
     assert data["benchmarks"]["kernels (scripts/bench_kernels.py --short)"]["data"]["mode"] == "emulated"
+    # the op layer's host cost per call, here without the native tier (said so in the report)
+    overhead = data["benchmarks"]["host cost per op call (scripts/bench_op_overhead.py --native)"]["data"]
+    assert overhead["mode"] == "host" and set(overhead["no_op_launch"]["rows"]) and "error" in overhead["native"]
+    assert "op layer, kernel launch replaced by a no-op" in md and "native tier, real launches on mps: not measured" in md
     assert data["machine"]["torch"] and data["tiers"]["ops"]
     # bnb-mps ran from the new venv, installed there
     venv_site = tmp_path / "acceptance-work" / "venv"
