@@ -71,6 +71,8 @@ def diagnostics() -> str:
     lines.append(f"executor tier {sel.tier}" + (f" ({sel.reason})" if sel.executor is not None else ""))
     for tier, why in executors.load_errors().items():
         lines.append(f"  {tier:<9} unavailable: {why}")
+    for unit, why in getattr(sel.executor, "unit_failures", {}).items():  # (its kernels' ops route away)
+        lines.append(f"  compile unit {unit}.metal did not compile: {why.strip().splitlines()[0] if why.strip() else '?'}")
     lines += [""] + op_table(bnb_mps.backend_info())
     unknown = registration.unknown_schemas()
     if unknown:

@@ -204,6 +204,10 @@ def test_without_verification_an_op_of_the_broken_unit_moves_on_at_its_first_cal
             assert (g is None and w is None) or torch.equal(g, w)
         assert ops.route("quantize_4bit").tier == "emulated"  # another unit's op keeps its kernels
         assert any(f"{name} is served by" in m for m in caplog.messages)
+        from bnb_mps.__main__ import diagnostics
+
+        report = diagnostics()  # python -m bnb_mps names the unit and the compiler's first error line
+        assert f"compile unit {BROKEN}.metal did not compile: " in report and kernel_dir[1] in report
     finally:
         verification.reset()
 

@@ -127,6 +127,12 @@ class EmulatedExecutor:
         self._units = None  # the unit texts the library was compiled from
         self._lock = threading.Lock()
 
+    @property
+    def unit_failures(self) -> dict[str, str]:
+        """The compile units that did not compile, with the compiler's message (known once the
+        units were compiled, at the first launch)."""
+        return dict(self._library.units.failures) if self._library is not None else {}
+
     def _load(self) -> UnitLibraries:
         """Compiles the kernel source's units (once per source: BNB_MPS_KERNEL_DIR may point
         elsewhere later in the process); a missing source is reported at launch."""

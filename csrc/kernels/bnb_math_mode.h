@@ -12,10 +12,11 @@
 //   apply there; on macOS 14, and with torch 2.7 to 2.10 on any macOS, it asks for 3.1 at most
 //   and they do not. There torch's own mode holds: safe, or fast when the environment sets
 //   PYTORCH_MPS_FAST_MATH (bnb_mps/executors/shader.py warns once when that happens).
-// - native tier: Metal 3.1 (the runtime compile in csrc/mps_ops.mm, and the offline metallib built
-//   with -std=metal3.1 by csrc/metal_toolchain.cmake, loadable from macOS 14), so the pragmas do
-//   not apply; safe math comes from the compile options (-fno-fast-math offline), and the
-//   optimizer update keeps its own no-contraction (optimizer.h).
+// - native tier: the runtime compile in csrc/mps_ops.mm asks for Metal 3.2 from macOS 15 on, so
+//   the pragmas apply there, and for 3.1 on macOS 14, where they do not; the offline metallib is
+//   built with -std=metal3.1 (csrc/metal_toolchain.cmake) and loaded on macOS 14 only. At 3.1 safe
+//   math comes from the compile options (-fno-fast-math offline), and the optimizer update keeps
+//   its own no-contraction (optimizer.h).
 // - the emulator and the address-space check define __METAL_VERSION__ 310 and never see them
 //   (the emulator compiles as C++ with -fno-fast-math -ffp-contract=off).
 #pragma once
