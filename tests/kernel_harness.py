@@ -13,13 +13,15 @@ class EmulatedExecutor:
     By default every launch runs once, in the given lane order with the given race checking and
     poison byte. With `checked=True` every launch runs under forward, reverse and random lane
     orders with different poison bytes plus once with the race checker, and must give the same
-    bits every time (bnb_mps.emulator.run_checked). `launches` lists the kernels launched."""
+    bits every time (bnb_mps.emulator.run_checked). `float_mode` ("apple" or "ieee") runs unchecked
+    launches in that float mode. `launches` lists the kernels launched."""
 
     name = "emulated"
 
-    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0, *, checked=False):
+    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0, *, checked=False, float_mode=None):
         self.lib, self.order, self.race_check, self.poison, self.seed = lib, order, race_check, poison, seed
         self.checked = checked
+        self.float_mode = float_mode  # "apple", "ieee", or None: the emulator's default (bnb_mps.emulator.Library.launch)
         self.launches: list[str] = []
 
     @property
@@ -29,10 +31,13 @@ class EmulatedExecutor:
     def launch(self, kernel, *, grid, threadgroup, args):
         self.launches.append(kernel)
         if self.checked:
+            if self.float_mode is not None:
+                raise ValueError("checked launches run in the emulator's default float mode")
             emulator.run_checked(self.lib, kernel, grid=grid, threadgroup=threadgroup, args=args)
         else:
             self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
-                            race_check=self.race_check, poison=self.poison, seed=self.seed)  # fmt: skip
+                            race_check=self.race_check, poison=self.poison, seed=self.seed,
+                            float_mode=self.float_mode)  # fmt: skip
 
 
 class NoLaunch:

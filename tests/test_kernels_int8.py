@@ -500,19 +500,6 @@ def test_quant_matches_stock_bitsandbytes_on_finite_data(library):
 TINY = 2.0**-126  # the smallest normal float32
 
 
-class ModeExecutor(EmulatedExecutor):
-    """kernel_harness's executor with an explicit float mode: "apple" or "ieee"."""
-
-    def __init__(self, lib, float_mode, **kwargs):
-        super().__init__(lib, **kwargs)
-        self.float_mode = float_mode
-
-    def launch(self, kernel, *, grid, threadgroup, args):
-        self.launches.append(kernel)
-        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
-                        race_check=self.race_check, poison=self.poison, seed=self.seed, float_mode=self.float_mode)
-
-
 def with_subnormals(rows: int, cols: int, dtype, seed: int) -> torch.Tensor:
     """Activations with a row of zeros and subnormals, a column of them, subnormal elements in
     ordinary rows, a row of tiny normal values with subnormals among them, and outliers."""
@@ -536,7 +523,7 @@ def test_subnormal_activations_quantize_as_zeros(library, dtype):
     checking."""
     A = with_subnormals(7, 40, dtype, seed=1)
     for order in ("forward", "random"):
-        ex = ModeExecutor(library, "apple", order=order, race_check=order == "random", seed=2)
+        ex = EmulatedExecutor(library, float_mode="apple", order=order, race_check=order == "random", seed=2)
         for threshold in (0.0, 6.0):
             CA, row_stats, _ = check_vectorwise_quant(ex, A, threshold)
             assert row_stats[1] == 0 and not CA[1].any()
@@ -547,7 +534,7 @@ def test_subnormal_activations_quantize_as_zeros(library, dtype):
     assert ref.int8_vectorwise_quant(A, 0.0, flush=False)[1][1] > 0
     # A float16 input has no float32 subnormal: its subnormals (2^-24 and up) are ordinary values.
     h = (torch.rand(3, 64, generator=gen(3)) * 6e-5).half()
-    CA, row_stats, _ = check_vectorwise_quant(ModeExecutor(library, "apple"), h, 0.0)
+    CA, row_stats, _ = check_vectorwise_quant(EmulatedExecutor(library, float_mode="apple"), h, 0.0)
     assert (row_stats > 0).all() and (CA.abs().amax(1) == 127).all()
 
 
@@ -562,7 +549,7 @@ def test_dequantized_outputs_below_2_to_126_flush(library, M):
     A8, B8 = int8s((M, K), seed=M), int8s((N, K), seed=M + 1)
     rs = torch.rand(M, generator=gen(M + 2)) * 2.0**-60 + 2.0**-62
     cs = torch.rand(N, generator=gen(M + 3)) * 2.0**-60 + 2.0**-62
-    apple, ieee = ModeExecutor(library, "apple"), ModeExecutor(library, "ieee")
+    apple, ieee = EmulatedExecutor(library, float_mode="apple"), EmulatedExecutor(library, float_mode="ieee")
     tiny_stats = rs * 2.0**-64  # codes * stats near 2^-120, times 1/127
     got = run("int8_vectorwise_dequant", apple, A8, tiny_stats)
     assert same_bits(got, ref.int8_vectorwise_dequant(A8, tiny_stats))
@@ -591,7 +578,7 @@ def test_mixed_product_with_subnormal_activations(library):
     """int8_mixed_scaled_mm: subA copies A's elements as they are (subnormals included), and the
     outlier part counts the float32 / bfloat16 subnormal activations as zero (within the float32
     allowance of the flushed reference)."""
-    ex = ModeExecutor(library, "apple", order="reverse")
+    ex = EmulatedExecutor(library, float_mode="apple", order="reverse")
     for dtype in (torch.float32, torch.bfloat16):
         for M in (1, 4, 20, 40):
             A = with_subnormals(max(M, 6), 48, dtype, seed=M)[:M].contiguous()

@@ -319,19 +319,6 @@ APPLE_PATHS = {"gemv": 1, "batch": 5, "mma": 40}  # M of each path at K = 128 (a
 HUGE_SCALES = [1.5 * 2.0**126, 2.0**126 * (1 + 2.0**-23), 2.0**127, 1e38, 3e38, FMAX]
 
 
-class ModeExecutor(EmulatedExecutor):
-    """kernel_harness's executor with an explicit float mode: "apple" or "ieee"."""
-
-    def __init__(self, lib, float_mode, **kwargs):
-        super().__init__(lib, **kwargs)
-        self.float_mode = float_mode
-
-    def launch(self, kernel, *, grid, threadgroup, args):
-        self.launches.append(kernel)
-        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
-                        race_check=self.race_check, poison=self.poison, seed=self.seed, float_mode=self.float_mode)
-
-
 def unit_blocks(N: int, K: int, blocksize: int, quant_type: str, seed: int) -> torch.Tensor:
     """Nibbles of a random weight whose every block has absmax 1, packed: with a block scale s the
     weight is table[nibble] * s (the scales are set by the test, not by the quantizer)."""
@@ -349,7 +336,7 @@ def product_in_both_modes(library, A, args: list, shapeB, blocksize, quant_type,
     refs = {}
     ys = {}
     for mode, flush in (("apple", True), ("ieee", False)):
-        ex = ModeExecutor(library, mode, order="random", seed=A.shape[0])
+        ex = EmulatedExecutor(library, float_mode=mode, order="random", seed=A.shape[0])
         y = call(OPS["gemm_4bit"], tuple(args), {}, ex)
         W = R.dequantized_weight(args[1], shapeB, blocksize, quant_type, args[3], *nested_args, flush=flush)
         parts = R.weight_parts(args[1], shapeB, blocksize, quant_type, args[3], *nested_args, flush=flush)
@@ -405,7 +392,8 @@ def test_subnormal_activations_count_as_zero(library, path, dtype):
         assert is_not_the_ieee_answer(y, A, refs)
         # The same bits as with those activations replaced by zeros.
         A0 = torch.where(sub, A * 0, A)
-        y0 = call(OPS["gemm_4bit"], (A0, packed, [N, K], absmax, bs, quant_type), {}, ModeExecutor(library, "apple"))
+        y0 = call(OPS["gemm_4bit"], (A0, packed, [N, K], absmax, bs, quant_type), {},
+                  EmulatedExecutor(library, float_mode="apple"))  # fmt: skip
         assert torch.equal(y, y0)
 
 

@@ -479,20 +479,6 @@ def test_ademamix_absmax_shape_is_checked():
 TINY = 2.0**-126  # the smallest normal float32
 
 
-class ModeExecutor(EmulatedExecutor):
-    """kernel_harness's executor with an explicit float mode: "apple" (the emulator's default,
-    float32 subnormals flushed) or "ieee"."""
-
-    def __init__(self, lib, float_mode, **kwargs):
-        super().__init__(lib, **kwargs)
-        self.float_mode = float_mode
-
-    def launch(self, kernel, *, grid, threadgroup, args):
-        self.launches.append(kernel)
-        self.lib.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, order=self.order,
-                        race_check=self.race_check, poison=self.poison, seed=self.seed, float_mode=self.float_mode)
-
-
 def subnormal_mask(g: torch.Tensor) -> torch.Tensor:
     x = g.float()
     return (x != 0) & (x.abs() < TINY)
@@ -516,8 +502,8 @@ def test_subnormal_gradient_with_skip_zeros(library, dtype, grads, step):
     sub = subnormal_mask(g)
     assert sub.any()
     n = g.numel()
-    apple = ModeExecutor(library, "apple", order="random", seed=n)
-    ieee = ModeExecutor(library, "ieee", order="random", seed=n)
+    apple = EmulatedExecutor(library, float_mode="apple", order="random", seed=n)
+    ieee = EmulatedExecutor(library, float_mode="ieee", order="random", seed=n)
     for name in ("momentum", "rmsprop", "lion"):
         args8 = oi.args_8bit(name, n, dtype, seed=n, g=g, step=step, skip_zeros=True)
         got = run(OP8, apple, args8)
@@ -551,7 +537,8 @@ def test_subnormal_gradient_is_a_signed_zero(library, dtype):
     sub = subnormal_mask(g)
     assert sub.sum() > 100
     g0 = torch.where(sub, g * 0, g)  # the same signed zeros
-    apple, ieee = ModeExecutor(library, "apple", order="reverse"), ModeExecutor(library, "ieee")
+    apple = EmulatedExecutor(library, float_mode="apple", order="reverse")
+    ieee = EmulatedExecutor(library, float_mode="ieee")
     zero_code = {1: int((oi.CODE == 0).nonzero()), 4: 0}  # state1 (signed code), state2 (unsigned): 0.0
 
     def outputs(op, executor, args):
@@ -588,7 +575,7 @@ def test_32bit_states_below_2_to_126_become_zero(library):
     r = oi.gen(83)
     tiny = lambda: (1 + torch.rand(n, generator=r) * 0.002) * TINY * torch.where(  # noqa: E731
         torch.rand(n, generator=r) < 0.5, -1.0, 1.0)
-    apple, ieee = ModeExecutor(library, "apple"), ModeExecutor(library, "ieee")
+    apple, ieee = EmulatedExecutor(library, float_mode="apple"), EmulatedExecutor(library, float_mode="ieee")
     for name in ("adam", "ademamix", "momentum", "rmsprop", "lion"):
         args = oi.args_32bit(name, n, torch.float32, seed=84, g=torch.zeros(n), weight_decay=0.0, gnorm_scale=1.0)
         args[3] = torch.stack([tiny(), tiny()]) if name == "ademamix" else tiny()
@@ -614,7 +601,7 @@ def test_8bit_state_block_below_2_to_126_is_an_all_zero_block(library):
     and its codes those of signed zeros (255 for +0.0, 0 for -0.0: docs/semantics.md 5.1 step 4), where
     IEEE keeps a block of subnormals."""
     n = 2 * 256
-    ex = ModeExecutor(library, "apple", order="random", seed=3)
+    ex = EmulatedExecutor(library, float_mode="apple", order="random", seed=3)
     g = torch.randn(n, generator=oi.gen(85)) * 0.01
     g[256:] = 0.0
     for name in ("momentum", "lion", "adam"):

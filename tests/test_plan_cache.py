@@ -180,7 +180,8 @@ VALUE_CHANGES = {
             "-0.0": lambda v: -0.0, "as int": lambda v: int(v)},
     str: {"other": lambda v: "int4", "empty": lambda v: ""},
     bool: {"flipped": lambda v: not v, "as int": lambda v: int(v)},
-    list: {"first +1": lambda v: [v[0] + 1, *v[1:]], "one more": lambda v: [*v, 1], "as bools": lambda v: [True] * len(v)},
+    list: {"first +1": lambda v: [v[0] + 1, *v[1:]], "one more": lambda v: [*v, 1],
+           "as bools": lambda v: [True] * len(v)},
     torch.dtype: {"int8": lambda v: torch.int8, "float64": lambda v: torch.float64, "float16": lambda v: torch.float16},
     type(None): {"a tensor": lambda v: torch.zeros(4)},
 }
@@ -236,8 +237,10 @@ def test_per_call_scalars_follow_each_call(key_impl, monkeypatch, name):
     call's scalars (bias corrections, first-step and skip-zeros flags) are its own."""
     counting = Counting(monkeypatch, name)
     base = dict(op_inputs.cases(name))["adam-torch.float32"]
-    positions = {"optimizer_update_8bit_blockwise": dict(step=10, lr=11, beta1=5, weight_decay=16, skip_zeros=18),
-                 "optimizer_update_32bit": dict(step=14, lr=15, beta1=8, weight_decay=13, skip_zeros=17)}[name]  # fmt: skip
+    positions = {
+        "optimizer_update_8bit_blockwise": dict(step=10, lr=11, beta1=5, weight_decay=16, skip_zeros=18),
+        "optimizer_update_32bit": dict(step=14, lr=15, beta1=8, weight_decay=13, skip_zeros=17),
+    }[name]
     fast = RecordingExecutor(name="emulated")
     entry = ops.dispatcher_entry(name, fast)
     variants = [dict(step=1), dict(step=2), dict(step=7, lr=3e-4), dict(beta1=0.8), dict(weight_decay=0.0),

@@ -208,7 +208,8 @@ def _memoized(key, compute):
 
 
 # Positions of the per-call arguments in each schema (bnb_mps.registration.SCHEMAS).
-_DYNAMIC_8BIT = (5, 6, 7, 8, 9, 10, 11, 16, 17, 18)  # beta1 beta2 beta3 alpha eps step lr weight_decay gnorm_scale skip_zeros
+# 8-bit: beta1 beta2 beta3 alpha eps step lr weight_decay gnorm_scale skip_zeros
+_DYNAMIC_8BIT = (5, 6, 7, 8, 9, 10, 11, 16, 17, 18)
 _DYNAMIC_32BIT = (7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)  # param_norm beta1 ... gnorm_scale skip_zeros
 _VALUES_8BIT = struct.Struct("<5dq3d?")
 _VALUES_32BIT = struct.Struct("<7dq2d?")

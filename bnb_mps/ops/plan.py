@@ -8,11 +8,12 @@ cannot bind as it is, a temporary for an `out` they cannot write in place), the 
 (name, geometry, and for each buffer index where its value comes from), the write-backs, and what
 the call returns. Running a plan is then a few allocations, one launch per kernel and nothing else.
 
-The op layer keeps the plans of the calls it served (`PlanCache`), keyed by `metadata_key`: a call
-whose arguments have the same metadata as an earlier one runs that call's plan without binding,
-checking or planning again. That is exactly as strict as checking: an op's checks read only the
-same metadata (dtypes, shapes, devices, argument values), so a call with the key of a call that
-passed them passes them too. Arguments that an op takes per call without planning on them (the
+The op layer keeps the plans of the calls it served (one cache per op and dispatcher entry, in
+bnb_mps.ops), keyed by `key` (`metadata_key`, or the same key in C++): a call whose arguments have
+the same metadata as an earlier one runs that call's plan without binding, checking or planning
+again. That is exactly as strict as checking: an op's checks read only the same metadata (dtypes,
+shapes, devices, argument values), so a call with the key of a call that passed them passes them
+too. Arguments that an op takes per call without planning on them (the
 optimizers' hyperparameters and step: `Planned.dynamic`) are left out of the key; the op turns them
 into scalar arguments on every call (memoized, see bnb_mps.ops.optim), checking them as it goes.
 
@@ -109,7 +110,7 @@ class Launch:
 
 @dataclass
 class Plan:
-    """What one call does; built by an op's planner (`PlanBuilder`), run by `run`."""
+    """What one call does; built by an op's planner (`PlanBuilder`), run by a `BoundPlan`."""
 
     outputs: tuple  # ((shape, dtype), ...) allocated on `device` per call
     device: Any
@@ -130,8 +131,8 @@ class Plan:
 
 @dataclass
 class PlanBuilder:
-    """Builds a Plan: `arg`, `output` and `temporary` hand out references to pool positions that
-    `launch` takes, next to Scalars (constant) and `dynamic` scalars."""
+    """Builds a Plan: `arg`, `output` and `dynamic` hand out references (kind, index) that `launch`
+    takes next to Scalars (the plan's constants); `build` turns them into pool positions."""
 
     device: Any  # where the outputs are allocated
     op: str = ""  # the op's name, for error messages
