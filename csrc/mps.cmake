@@ -45,14 +45,7 @@ message(STATUS "bnb_mps: native executor links torch from ${TORCH_INSTALL_PREFIX
 
 # The build record: the torch this module is built against. bnb_mps.executors.native reads it
 # before importing the module and refuses a module built against another torch (or C++ ABI).
-set(_bnb_record "${CMAKE_CURRENT_BINARY_DIR}/_native_build.json")
-file(WRITE "${_bnb_record}"
-     "{\"torch_version\": \"${BNB_MPS_TORCH_VERSION}\", \"torch_cxx11_abi\": ${BNB_MPS_TORCH_CXX11_ABI}}\n")
-if(SKBUILD)
-  install(FILES "${_bnb_record}" DESTINATION ${BNB_MPS_INSTALL_DIR})
-else()
-  file(COPY "${_bnb_record}" DESTINATION "${BNB_MPS_OUTPUT_DIR}")
-endif()
+bnb_mps_build_record(_native_build.json BNB_MPS_TORCH)
 
 # --- kernel source, embedded -------------------------------------------------------------------
 set(_bnb_generated "${CMAKE_CURRENT_BINARY_DIR}/bnb_mps_generated")

@@ -53,12 +53,5 @@ bnb_mps_place_module(_opkey)
 
 # The build record: which torch the module is built against, read before the module is imported
 # (bnb_mps.ops.plan); a module built against another torch is not loaded.
-set(_bnb_opkey_record "${CMAKE_CURRENT_BINARY_DIR}/_opkey_build.json")
-file(WRITE "${_bnb_opkey_record}"
-     "{\"torch_version\": \"${BNB_MPS_OPKEY_TORCH_VERSION}\", \"torch_cxx11_abi\": ${BNB_MPS_OPKEY_TORCH_CXX11_ABI}}\n")
-if(SKBUILD)
-  install(FILES "${_bnb_opkey_record}" DESTINATION ${BNB_MPS_INSTALL_DIR})
-else()
-  file(COPY "${_bnb_opkey_record}" DESTINATION "${BNB_MPS_OUTPUT_DIR}")
-endif()
+bnb_mps_build_record(_opkey_build.json BNB_MPS_OPKEY_TORCH)
 message(STATUS "bnb_mps: op keys in C++ (bnb_mps._opkey), against torch ${BNB_MPS_OPKEY_TORCH_VERSION} at ${_bnb_torch}")

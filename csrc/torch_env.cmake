@@ -56,3 +56,19 @@ function(bnb_mps_check_user_torch python build_prefix)
     message(STATUS "bnb_mps: native executor built against ${_build}, the torch of this environment")
   endif()
 endfunction()
+
+# bnb_mps_build_record(<file name> <prefix>)
+#   Writes the build record of a module linked against the torch found as <prefix>_* (from
+#   bnb_mps_query_torch): {"torch_version", "torch_cxx11_abi"} in <file name>, installed next to the
+#   module. bnb_mps reads it before importing the module and refuses a module built against another
+#   torch (or C++ ABI): bnb_mps.executors.native.build_mismatch.
+function(bnb_mps_build_record name prefix)
+  set(_record "${CMAKE_CURRENT_BINARY_DIR}/${name}")
+  file(WRITE "${_record}"
+       "{\"torch_version\": \"${${prefix}_VERSION}\", \"torch_cxx11_abi\": ${${prefix}_CXX11_ABI}}\n")
+  if(SKBUILD)
+    install(FILES "${_record}" DESTINATION ${BNB_MPS_INSTALL_DIR})
+  else()
+    file(COPY "${_record}" DESTINATION "${BNB_MPS_OUTPUT_DIR}")
+  endif()
+endfunction()

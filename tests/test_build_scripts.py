@@ -138,6 +138,33 @@ def test_probe_fails_when_the_metal_toolchain_is_missing(tmp_path):
     assert "missing Metal Toolchain" in proc.stdout and "cannot compile a one-line kernel" in proc.stdout
 
 
+RECORD = """
+include("{root}/csrc/torch_env.cmake")
+set(BNB_MPS_OUTPUT_DIR "{out}")
+set(T_VERSION "{version}")
+set(T_CXX11_ABI {abi})
+bnb_mps_build_record(_opkey_build.json T)
+"""
+
+
+@pytest.mark.parametrize("abi", [0, 1])
+def test_the_build_record_is_what_the_loaders_read(tmp_path, abi):
+    """bnb_mps_build_record (the native executor and bnb_mps._opkey) writes the record that
+    bnb_mps.executors.native.build_mismatch reads: it accepts its own torch, refuses another."""
+    from bnb_mps.executors import native
+
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_script(tmp_path, RECORD.format(root=ROOT, out=out, version="2.13.0+cpu", abi=abi))
+    assert proc.returncode == 0, proc.stderr
+    record = out / "_opkey_build.json"
+    assert native.build_mismatch(record, ("2.13.0+cpu", bool(abi))) is None
+    assert "2.12.0" in native.build_mismatch(record, ("2.12.0", bool(abi)))
+    assert "C++11 ABI" in native.build_mismatch(record, ("2.13.0+cpu", not abi))
+    for cmake in ("mps.cmake", "op_key.cmake"):
+        assert "bnb_mps_build_record(" in (ROOT / "csrc" / cmake).read_text()
+
+
 def test_the_native_build_uses_the_probe_and_says_which_path_it_took():
     text = (ROOT / "csrc" / "mps.cmake").read_text()
     assert "bnb_mps_probe_metal_compiler(" in text and "${_bnb_metal_flags}" in text
