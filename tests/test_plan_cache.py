@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import itertools
 import weakref
 

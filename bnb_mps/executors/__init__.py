@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import Executor, ExecutorUnavailable, KernelUnavailable, PipelineLimitError
+from .base import Executor, ExecutorUnavailable, KernelUnavailable, PipelineLimitError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("bnb_mps")
 
