@@ -793,18 +793,15 @@ def _optimizer_special_cases(n: int) -> Iterator[Case]:
         grad[::3] = torch.rand(grad[::3].shape, generator=g) * tiny * signs()[::3]  # subnormals
         grad[1::7] = 0.0
         grad = grad.to(dtype)
-        for name in ("momentum", "lion"):
-            args = oi.args_8bit(name, n, dtype, seed=_seed("opt-sub8", n, name), g=grad.clone(), skip_zeros=True)
-            yield Case(f"{op8} {name} {dtype} subnormal gradients skip_zeros n={n}", op8, tuple(args),
-                       R.optimizer_8bit(*oi.clone(args)), compare=_compare_8bit(args[2].clone()),
-                       run=_run_in_place(op8),
-                       ieee_want=_after(args, R.optimizer_8bit(*oi.clone(args), flush=False)))  # fmt: skip
-        for name in ("momentum", "adam"):
-            args = oi.args_32bit(name, n, dtype, seed=_seed("opt-sub32", n, name), g=grad.clone(), skip_zeros=True)
-            yield Case(f"{op32} {name} {dtype} subnormal gradients skip_zeros n={n}", op32, tuple(args),
-                       R.optimizer_32bit(*oi.clone(args)), compare=_compare_32bit(args[2].clone()),
-                       run=_run_in_place(op32),
-                       ieee_want=_after(args, R.optimizer_32bit(*oi.clone(args), flush=False)))  # fmt: skip
+        for op, tag, names, make, reference, compare in (
+            (op8, "opt-sub8", ("momentum", "lion"), oi.args_8bit, R.optimizer_8bit, _compare_8bit),
+            (op32, "opt-sub32", ("momentum", "adam"), oi.args_32bit, R.optimizer_32bit, _compare_32bit),
+        ):
+            for name in names:
+                args = make(name, n, dtype, seed=_seed(tag, n, name), g=grad.clone(), skip_zeros=True)
+                yield Case(f"{op} {name} {dtype} subnormal gradients skip_zeros n={n}", op, tuple(args),
+                           reference(*oi.clone(args)), compare=compare(args[2].clone()), run=_run_in_place(op),
+                           ieee_want=_after(args, reference(*oi.clone(args), flush=False)))  # fmt: skip
 
     for name in ("adam", "rmsprop", "momentum"):
         args = oi.args_32bit(name, n, f32, seed=_seed("opt-decay", n, name), g=torch.zeros(n), weight_decay=0.0,
