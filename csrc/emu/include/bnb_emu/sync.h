@@ -304,12 +304,13 @@ inline bool simd_is_first(BNB_EMU_SITE) {
 // On the GPU each lane holds a share of a simdgroup_matrix (two elements of an 8x8). Here lane L's
 // share is, in row-major order, elements E*L .. E*L + E - 1 (E = R*C/32, rounded up; in a
 // simdgroup of n < 32 lanes, lane L also owns the shares of lanes L + n, L + 2n, ...): the model of
-// the profiler (profile_matrix_share). Each lane keeps the whole R x C array, of which:
+// the profiler (profile_matrix_share). Each lane keeps an R x C array, of which:
 //   - after the default constructor, no element is written yet: the matrix is zero (`kZero`), and
 //     its elements are written as zeros only where it is used before it is loaded (kernels declare
 //     operands in their loops and load them right away);
 //   - after simdgroup_load, make_filled_simdgroup_matrix or the diagonal constructor, every element
-//     is valid (`kFull`): each lane read every element;
+//     is valid (`kFull`): each lane read every element. A square matrix loaded with transpose is
+//     kept as it lies in memory, rows copied whole, and read transposed (`transposed`);
 //   - after simdgroup_multiply(_accumulate), only the lane's share is (`kShare`): the lane computed its
 //     elements of the result, each accumulated in float in k order. That is all a later product
 //     needs of an accumulator and all simdgroup_store writes (each lane its share). A product whose
@@ -337,10 +338,12 @@ struct simdgroup_matrix {
   // does not change its value.
   mutable T m[Rows][Cols];
   mutable emu::matrix_state state = emu::kZero;
+  bool transposed = false;  // element (i, j) is m[j][i] (square matrices only)
   simdgroup_matrix() {}
   explicit simdgroup_matrix(T diagonal) : m{}, state(emu::kFull) {
     for (int i = 0; i < Rows && i < Cols; ++i) m[i][i] = diagonal;
   }
+  T& at(int i, int j) const { return transposed ? m[j][i] : m[i][j]; }
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
@@ -431,31 +434,47 @@ template <class TD, class TA, class TB, class TC, int M, int N, int K, bool Acc>
 inline void multiply_share(const bnb_emu_lane& l, simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
                            const simdgroup_matrix<TB, N, K>& b, const simdgroup_matrix<TC, N, M>* c) {
   if constexpr (Acc) materialize(*c);
-  if (M == 8 && N == 8 && l.lanes_in_simdgroup == 32) {
-    // The common case: two adjacent elements of row lane / 4, one row of `a` converted once.
+  if (M == 8 && N == 8 && K == 8 && l.lanes_in_simdgroup == 32) {
+    // The common case: two adjacent elements of row lane / 4. Each layout combination of the
+    // operands gets its own loop (no test per element).
     const int i = int(l.thread_index_in_simdgroup / 4), j = 2 * int(l.thread_index_in_simdgroup % 4);
-    float ar[K];
-    for (int k = 0; k < K; ++k) ar[k] = float(a.m[i][k]);
-    float acc0 = Acc ? float(c->m[i][j]) : 0.0f, acc1 = Acc ? float(c->m[i][j + 1]) : 0.0f;
-    for (int k = 0; k < K; ++k) {
-      acc0 = acc0 + ar[k] * float(b.m[k][j]);
-      acc1 = acc1 + ar[k] * float(b.m[k][j + 1]);
+    float acc0 = 0.0f, acc1 = 0.0f;
+    if constexpr (Acc) {
+      acc0 = float(c->at(i, j));
+      acc1 = float(c->at(i, j + 1));
     }
+    auto products = [&](auto a_transposed, auto b_transposed) {
+      for (int k = 0; k < K; ++k) {
+        const float av = float(a_transposed ? a.m[k][i] : a.m[i][k]);
+        acc0 = acc0 + av * float(b_transposed ? b.m[j][k] : b.m[k][j]);
+        acc1 = acc1 + av * float(b_transposed ? b.m[j + 1][k] : b.m[k][j + 1]);
+      }
+    };
+    using yes = std::true_type;
+    using no = std::false_type;
+    if (a.transposed)
+      b.transposed ? products(yes{}, yes{}) : products(yes{}, no{});
+    else
+      b.transposed ? products(no{}, yes{}) : products(no{}, no{});
+    d.transposed = false;
     d.m[i][j] = TD(acc0);
     d.m[i][j + 1] = TD(acc1);
   } else {
     TD out[M][N];
     for_share<M, N>(l, [&](int i, int j) {
-      float acc = Acc ? float(c->m[i][j]) : 0.0f;
-      for (int k = 0; k < K; ++k) acc = acc + float(a.m[i][k]) * float(b.m[k][j]);
+      float acc = 0.0f;
+      if constexpr (Acc) acc = float(c->at(i, j));
+      for (int k = 0; k < K; ++k) acc = acc + float(a.at(i, k)) * float(b.at(k, j));
       out[i][j] = TD(acc);
     });
+    d.transposed = false;
     for_share<M, N>(l, [&](int i, int j) { d.m[i][j] = out[i][j]; });
   }
   d.state = kShare;
 }
 
-// Completes every lane's matrix from the lanes' shares (operands and results: each lane's matrix).
+// Completes every lane's matrix from the lanes' shares (operands and results: each lane's matrix;
+// kShare matrices, never transposed).
 template <class T, int C, int R>
 struct gather {
   static void resolve(void* const* o, void* const* r, uint32_t active) {
@@ -513,19 +532,22 @@ inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const volatile typename
   const T* base = const_cast<const T*>(src) + origin.y * elements_per_row + origin.x;
   {
     BNB_EMU_PROFILE_MUTE;
-    if (transpose) {
+    if (transpose && R != C) {
       for (int i = 0; i < R; ++i)
         for (int j = 0; j < C; ++j) {
           const T* p = base + ulong(j) * elements_per_row + ulong(i);
           emu::threadgroup_touch(p, sizeof(T), BNB_EMU_ACCESS_READ);
           d.m[i][j] = *p;
         }
+      d.transposed = false;
     } else {
+      // Rows of memory copied whole: the matrix's rows, or (transposed) its columns.
       for (int i = 0; i < R; ++i) {
         const T* row = base + ulong(i) * elements_per_row;
         emu::threadgroup_touch(row, C * sizeof(T), BNB_EMU_ACCESS_READ);
-        for (int j = 0; j < C; ++j) d.m[i][j] = row[j];
+        __builtin_memcpy(static_cast<void*>(d.m[i]), static_cast<const void*>(row), C * sizeof(T));
       }
+      d.transposed = transpose;
     }
   }
   d.state = emu::kFull;
@@ -544,7 +566,7 @@ inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, volatile typenam
     BNB_EMU_PROFILE_MUTE;
     emu::for_share<R, C>(l, [&](int i, int j) {
       T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
-      *p = a.m[i][j];
+      *p = a.at(i, j);
     });
   }
   emu::profile_matrix_share<T, C, R>(base, elements_per_row, transpose, BNB_EMU_PROFILE_STORE);
