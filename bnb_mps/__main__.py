@@ -42,6 +42,10 @@ def op_table(info: dict[str, dict[str, str]], width: int = 100) -> list[str]:
     for reason, key in keys.items():
         out += textwrap.wrap(reason, width=width, initial_indent=f"{key} ", subsequent_indent=" " * (len(key) + 1),
                              break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    for name, row in info.items():  # calls the kernels do not cover, served by another route
+        if row.get("note"):
+            out += textwrap.wrap(f"{name}: {row['note']}", width=width, subsequent_indent="  ",
+                                 break_long_words=False, break_on_hyphens=False)  # fmt: skip
     return out
 
 
