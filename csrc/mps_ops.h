@@ -93,11 +93,15 @@ class KernelLibrary {
 
  private:
   explicit KernelLibrary(std::unique_ptr<Impl> impl);
+  // The body of launch(), run inside its autorelease pool.
+  void encode(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
+              const std::vector<KernelArg>& args);
   std::unique_ptr<Impl> impl_;
 };
 
-// The Metal language version KernelLibrary::compile requests on this OS, {major, minor}: {3, 2} from
-// macOS 15 on, {3, 1} on macOS 14, {0, 0} (the OS compiler's default) before.
+// The Metal language version KernelLibrary::compile requests here, {major, minor}: {3, 2} from macOS
+// 15 on when the module was built with the macOS 15 SDK or newer, {3, 1} on macOS 14 (and on every
+// macOS with an older SDK), {0, 0} (the OS compiler's default) before.
 std::pair<int, int> compile_language_version();
 
 // The kernel amalgamation embedded at build time (empty if the build saw no kernel files).

@@ -236,7 +236,9 @@ def fake_native_module(tmp_path, *, embedded="EMB", metallib_ok=True, compile_er
         calls.append(("metallib", path))
         if not metallib_ok:
             raise RuntimeError("cannot load: Invalid library file")
-        return RecordingLibrary()
+        library = RecordingLibrary()
+        library.origin = "metallib:" + path
+        return library
 
     def compile_library(source):
         calls.append(("compile", source))
@@ -383,6 +385,28 @@ def test_a_gpu_with_another_simd_width_disables_the_tier(tmp_path, monkeypatch, 
     else:
         with pytest.raises(ExecutorUnavailable, match=f"SIMD width of {width}.*written for 32"):
             native.load()
+
+
+@pytest.mark.parametrize("metallib, runtime, expected",
+                         [(True, (3, 1), (3, 1)), (False, (3, 2), (3, 2)), (True, (3, 2), (3, 2)),
+                          (False, None, None)])  # fmt: skip
+def test_load_records_the_language_version_the_kernels_were_compiled_at(tmp_path, monkeypatch, metallib, runtime,
+                                                                        expected):  # fmt: skip
+    """The metallib is Metal 3.1; the run-time compile is whatever the module requests (3.2 only from
+    macOS 15 with a module built with the macOS 15 SDK or newer; None: the OS compiler's default)."""
+    version, abi = native.running_torch()
+    write_record(tmp_path / native.BUILD_RECORD, version, int(abi))
+    module, _ = fake_native_module(tmp_path, embedded="CURRENT", language_version=runtime)
+    module.BUILT_WITH_TORCH, module.BUILT_WITH_CXX11_ABI = version, abi
+    if metallib:
+        (tmp_path / native.METALLIB_NAME).write_bytes(b"MTLB")
+    monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=module.__file__))
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: module)
+    installed(monkeypatch, UNITS)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    ex = native.load()
+    assert ex.language_version == expected
+    assert ex.origin.startswith("metallib") == (metallib and runtime != (3, 2))
 
 
 def test_a_compile_error_disables_the_tier_with_the_compiler_message(tmp_path, monkeypatch):
