@@ -188,7 +188,7 @@ def _run(opts: Options, stdout) -> dict:
     from tqdm.auto import tqdm
 
     from .. import __version__, ops, registration
-    from ..device import memory_stats, training_config
+    from ..device import checkpointing_field, memory_stats, training_config
 
     def say(*lines: str) -> None:
         for line in lines:
@@ -211,7 +211,7 @@ def _run(opts: Options, stdout) -> dict:
     device = _choose_device(opts)
     tc = training_config(device)
     accum = opts.accum or tc["gradient_accumulation_steps"]
-    checkpointing = bool(tc["gradient_checkpointing"])
+    checkpointing = bool(tc[checkpointing_field()])
     compute_dtype = torch.bfloat16 if tc["bf16"] else torch.float32
     threads = opts.threads
     if threads is None and device.type == "cpu" and opts.size == "tiny":
