@@ -64,7 +64,9 @@ class KernelLibrary {
   // (where the source's `#pragma METAL fp` lines apply) and 3.1 on macOS 14 (see
   // compile_language_version). Throws std::runtime_error with the compiler's message on failure.
   // The Python side calls it once per compile unit (one .metal file with its includes inlined).
-  static std::shared_ptr<KernelLibrary> compile(const std::string& source);
+  // `version`: {0, 0} for the version compile_language_version() says, else exactly that Metal
+  // language version (std::invalid_argument where this SDK or OS has none).
+  static std::shared_ptr<KernelLibrary> compile(const std::string& source, std::pair<int, int> version = {0, 0});
 
   // Loads a .metallib built offline (xcrun metal). Throws std::runtime_error on failure.
   static std::shared_ptr<KernelLibrary> load_metallib(const std::string& path);

@@ -20,6 +20,7 @@
 
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
@@ -83,6 +84,35 @@ std::pair<int, int> request_language_version(MTLCompileOptions* options) {
     return {3, 1};
   }
   return {0, 0};
+}
+
+// Requests exactly Metal `version` (major, minor) of `options`: false where this SDK or OS has no
+// such MTLLanguageVersion (3.1 from macOS 14, 3.2 from 15, 4.0 from 26). For the acceptance run's
+// probes, which compare the same source at each version.
+bool set_language_version(MTLCompileOptions* options, std::pair<int, int> version) {
+  if (version == std::make_pair(3, 1)) {
+    if (@available(macOS 14.0, *)) {
+      options.languageVersion = MTLLanguageVersion3_1;
+      return true;
+    }
+  }
+#if defined(__MAC_15_0)
+  if (version == std::make_pair(3, 2)) {
+    if (@available(macOS 15.0, *)) {
+      options.languageVersion = MTLLanguageVersion3_2;
+      return true;
+    }
+  }
+#endif
+#if defined(__MAC_26_0)
+  if (version == std::make_pair(4, 0)) {
+    if (@available(macOS 26.0, *)) {
+      options.languageVersion = MTLLanguageVersion4_0;
+      return true;
+    }
+  }
+#endif
+  return false;
 }
 
 // Quantization must not depend on the compiler's math mode: no fast-math, precise functions.
@@ -187,12 +217,13 @@ KernelLibrary::~KernelLibrary() = default;
 
 // Compiling and loading run with the GIL released (see the module below): they take a Metal
 // compiler's time. Errors are thrown after the autorelease pool is left.
-std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source) {
+std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source, std::pair<int, int> version) {
   if (source.empty()) {
     throw std::invalid_argument("kernel source is empty");
   }
   id<MTLLibrary> library = nil;
   bool bad_text = false;
+  bool bad_version = false;
   std::string error;
   @autoreleasepool {
     NSString* text = [[NSString alloc] initWithBytes:source.data()
@@ -203,16 +234,26 @@ std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source)
     } else {
       MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
       use_safe_math(options);
-      request_language_version(options);  // 3.2 from macOS 15 on (the source's math-mode pragmas apply), else 3.1
-      NSError* failure = nil;
-      library = [metal_device() newLibraryWithSource:text options:options error:&failure];
-      if (library == nil) {
-        error = describe(failure);
+      if (version.first == 0) {
+        request_language_version(options);  // 3.2 from macOS 15 on (the source's math-mode pragmas apply), else 3.1
+      } else {
+        bad_version = !set_language_version(options, version);
+      }
+      if (!bad_version) {
+        NSError* failure = nil;
+        library = [metal_device() newLibraryWithSource:text options:options error:&failure];
+        if (library == nil) {
+          error = describe(failure);
+        }
       }
     }
   }
   if (bad_text) {
     throw std::invalid_argument("kernel source is not valid UTF-8");
+  }
+  if (bad_version) {
+    throw std::invalid_argument("Metal " + std::to_string(version.first) + "." + std::to_string(version.second) +
+                                " is not available with this build's SDK on this macOS");
   }
   if (library == nil) {
     throw std::runtime_error("the Metal compiler rejected the kernel source: " + error);
@@ -423,16 +464,18 @@ PYBIND11_MODULE(_native, m) {
 
   m.def(
       "compile_library",
-      [](const std::string& source) {
+      [](const std::string& source, std::optional<std::pair<int, int>> language_version) {
         std::shared_ptr<bnb_mps::KernelLibrary> library;
+        const std::pair<int, int> version = language_version.value_or(std::make_pair(0, 0));
         {
           py::gil_scoped_release no_gil;  // a Metal compile takes a while: other threads run meanwhile
-          library = translate_errors([&] { return bnb_mps::KernelLibrary::compile(source); });
+          library = translate_errors([&] { return bnb_mps::KernelLibrary::compile(source, version); });
         }
         return library;
       },
-      py::arg("source"),
-      "Compile MSL source (safe math; Metal 3.2 from macOS 15 on, else 3.1) into a KernelLibrary. "
+      py::arg("source"), py::arg("language_version") = py::none(),
+      "Compile MSL source (safe math; Metal 3.2 from macOS 15 on with the macOS 15 SDK, else 3.1; or exactly "
+      "`language_version`, (major, minor), for the acceptance probes) into a KernelLibrary. "
       "bnb_mps.executors.native calls it once per kernel compile unit.");
   m.def(
       "load_metallib",
