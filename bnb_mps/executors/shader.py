@@ -85,6 +85,17 @@ class FastMathWarning(UserWarning):
     """PYTORCH_MPS_FAST_MATH makes torch compile the shader tier's kernels with fast math."""
 
 
+def language_version(macos: Optional[tuple], torch_ver: tuple) -> tuple[int, int]:
+    """The Metal language version torch's compile_shader asks for on this macOS ((major, minor)) with
+    this torch: from torch 2.11, 4.0 on macOS >= 26, 3.2 on macOS 15, 3.1 before; 3.1 at most before."""
+    if tuple(torch_ver) >= PINNED_MATH_TORCH and macos is not None:
+        if tuple(macos) >= (26, 0):
+            return (4, 0)
+        if tuple(macos) >= PINNED_MATH_MACOS:
+            return (3, 2)
+    return (3, 1)
+
+
 def math_mode_pinned(macos: Optional[tuple], torch_ver: tuple) -> bool:
     """True when compile_shader compiles with Metal >= 3.2 on this macOS ((major, minor), None off
     macOS) with this torch ((major, minor)), so that the kernel source's pinned safe math and
