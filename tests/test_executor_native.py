@@ -367,6 +367,44 @@ def test_the_compile_requests_metal_3_2_from_macos_15_and_3_1_on_macos_14():
     assert "request_language_version(options);" in compile_body[: compile_body.index("\n}\n")]
 
 
+def _blocks(text: str, opener: str) -> list[str]:
+    """The brace-delimited bodies that follow each `opener` in `text`."""
+    bodies = []
+    at = text.find(opener)
+    while at >= 0:
+        start = text.index("{", at)
+        depth = 0
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        bodies.append(text[start : end + 1])
+        at = text.find(opener, end)
+    return bodies
+
+
+def test_the_native_layer_throws_only_outside_autorelease_pools():
+    """An exception unwinding through @autoreleasepool skips the pool's drain (ARC does not clean up
+    for exceptions by default): every throw in csrc/mps_ops.mm comes after its pool is left, and
+    the whole launch runs inside one pool."""
+    text = (ROOT / "csrc" / "mps_ops.mm").read_text()
+    pools = _blocks(text, "@autoreleasepool")
+    assert len(pools) >= 5
+    for body in pools:
+        assert "throw " not in body and "rethrow_exception" not in body, body[:200]
+    launch = text[text.index("void KernelLibrary::launch("):]
+    launch = launch[: launch.index("\n}\n")]
+    assert "@autoreleasepool" in launch and "encode(kernel, grid, threadgroup, args);" in launch
+
+
+def test_compiling_and_loading_release_the_gil():
+    text = (ROOT / "csrc" / "mps_ops.mm").read_text()
+    for name in ('"compile_library"', '"load_metallib"'):
+        binding = text[text.index(name):]
+        binding = binding[: binding.index("py::arg(")]
+        assert "py::gil_scoped_release" in binding, name
+
+
 @pytest.mark.parametrize("width", [32, 64, 16])
 def test_a_gpu_with_another_simd_width_disables_the_tier(tmp_path, monkeypatch, width):
     """Stand-ins for the built module on a GPU reporting `width` lanes per SIMD-group."""
