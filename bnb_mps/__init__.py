@@ -40,7 +40,10 @@ def backend_info() -> dict[str, dict[str, str]]:
     """For each bitsandbytes op: what serves it on `mps` and why. The tier is "native", "shader"
     or "emulated" (bnb_mps' Metal kernel), "bitsandbytes" (bitsandbytes' own implementation: its
     mps kernel, its pure-PyTorch default kernel, or whatever it registered where bnb_mps left the
-    op alone) or "cpu" (bitsandbytes' CPU implementation with transfers)."""
+    op alone) or "cpu" (bitsandbytes' CPU implementation with transfers). An op some of whose calls
+    took another route in this process, because bitsandbytes accepts their arguments but bnb_mps'
+    kernels do not cover them (an 8-bit blocksize above 4096, say), has a "note" saying which calls
+    and what served them."""
     import torch
 
     if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
@@ -63,6 +66,9 @@ def backend_info() -> dict[str, dict[str, str]]:
         else:
             tier, reason = "bitsandbytes", "bnb_mps is not registered (bnb_mps.register() was undone)"
         info[name] = {"tier": tier, "reason": reason}
+    for name, notes in ops.not_covered_notes().items():
+        if name in info:
+            info[name]["note"] = "; ".join(notes)
     return info
 
 

@@ -42,6 +42,10 @@ def op_table(info: dict[str, dict[str, str]], width: int = 100) -> list[str]:
     for reason, key in keys.items():
         out += textwrap.wrap(reason, width=width, initial_indent=f"{key} ", subsequent_indent=" " * (len(key) + 1),
                              break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    for name, row in info.items():  # calls the kernels do not cover, served by another route
+        if row.get("note"):
+            out += textwrap.wrap(f"{name}: {row['note']}", width=width, subsequent_indent="  ",
+                                 break_long_words=False, break_on_hyphens=False)  # fmt: skip
     return out
 
 
@@ -69,6 +73,9 @@ def diagnostics() -> str:
         return "\n".join(lines)
     sel = executors.selection()
     lines.append(f"executor tier {sel.tier}" + (f" ({sel.reason})" if sel.executor is not None else ""))
+    if sel.tier == "native":  # (its Metal language version follows the build's SDK and the OS)
+        lines.append(f"  native kernels compiled at {_language(getattr(sel.executor, 'language_version', None))} "
+                     f"({getattr(sel.executor, 'origin', '?')})")
     for tier, why in executors.load_errors().items():
         lines.append(f"  {tier:<9} unavailable: {why}")
     for unit, why in getattr(sel.executor, "unit_failures", {}).items():  # (its kernels' ops route away)
@@ -80,6 +87,10 @@ def diagnostics() -> str:
     if sel.tier != "native":
         lines += ["", "To build the native Metal library (macOS on Apple Silicon):", "    " + executors.BUILD_HINT]
     return "\n".join(lines)
+
+
+def _language(version) -> str:
+    return f"Metal {version[0]}.{version[1]}" if version else "the OS compiler's default Metal version"
 
 
 def verify_table(verdicts: dict) -> list[str]:

@@ -402,6 +402,31 @@ def verification_markdown(v: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def math_mode_markdown(probe: Optional[dict[str, Any]]) -> str:
+    """scripts/probe_math_mode.py's rows: per tier, Metal language version and source (the probes as
+    written, or behind bnb_math_mode.h as every bnb-mps kernel), with and without PYTORCH_MPS_FAST_MATH."""
+    if not probe or "rows" not in probe:
+        return "(not run)"
+    rows = []
+    for r in probe["rows"]:
+        env = "1" if r.get("fast_math_env") else "unset"
+        if "error" in r:
+            rows.append([r.get("tier"), r.get("metal"), r.get("source"), env, f"not run: {r['error']}", "", "", ""])
+            continue
+        mad, fma, sq = r["probe_mad"], r["probe_fma"], r["sqrt"]
+        rows.append([r["tier"], r["metal"], r["source"], env, f"{mad['contracted']} of {mad['distinguishing']}",
+                     f"{fma['contracted']} of {fma['distinguishing']}", f"{r['nan_is_nan']} of {r['n']}",
+                     f"{sq['unqualified_vs_precise_differ']} of {r['n']} (precise not correctly rounded: "
+                     f"{sq['precise_not_correctly_rounded']})"])  # fmt: skip
+    pinned = [r for r in probe["rows"] if r.get("source") == "pinned" and "probe_mad" in r]
+    contracted = sum(r["probe_mad"]["contracted"] for r in pinned)
+    summary = ("Expected: 0 contracted in every pinned row (bnb_math_mode.h), and the fma control fused in every "
+               f"row. Pinned rows: {len(pinned)}, contracted results in them: {contracted}.")
+    header = ["tier", "Metal", "source", "PYTORCH_MPS_FAST_MATH", "a*b+c contracted", "fma control fused",
+              "NaN != NaN true", "unqualified sqrt != precise::sqrt"]  # fmt: skip
+    return summary + "\n\n" + markdown_table(header, rows)
+
+
 def _counts(b: dict[str, Any]) -> str:
     if not b:
         return "not run"
@@ -487,6 +512,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             if len(failures) > 40:
                 out.append(f"- ... and {len(failures) - 40} more (see the pytest log)")
     out += ["", "## Kernel verification (python -m bnb_mps verify)", "", verification_markdown(r.get("verification", {}))]
+    out += ["", "## Float semantics on this GPU (scripts/probe_math_mode.py)", "", math_mode_markdown(r.get("math_mode"))]
     out += ["", "## Benchmarks", ""]
     for name, bench in r["benchmarks"].items():
         out += [f"### {name}", "", bench["note"] if bench.get("note") else benchmark_markdown(bench.get("data")), ""]
@@ -541,6 +567,7 @@ def build_report(work: Path, dry_run: bool, repo: Path = REPO) -> dict[str, Any]
         "benchmarks": benchmarks,
         "verification": {"cold": read_benchmark(work / "verify_cold.json"),
                          "cached": read_benchmark(work / "verify_cached.json")},
+        "math_mode": read_benchmark(work / "probe_math_mode.json"),
     }
     report["verdict"] = verdict(report)
     return report

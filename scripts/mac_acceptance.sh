@@ -140,6 +140,15 @@ step "kernel verification (cached)" "$WORK/verify_cached.log" "" -- \
   env BNB_MPS_CACHE_DIR="$WORK/verify-cache" BNB_MPS_VERIFY_CACHE="$WORK/verify-cache/verify.json" \
     "$VPY" -m bnb_mps verify --cached --json "$WORK/verify_cached.json" || FAILED=1
 
+# What the Metal compiler does with the kernels' float arithmetic on this GPU: a*b + c contracted or
+# not, per tier and language version, bare and behind bnb_math_mode.h, and under
+# PYTORCH_MPS_FAST_MATH=1 in a fresh process (with NaN tests and sqrt). The dry run probes the emulator.
+PROBE_ARGS=()
+[ "$DRY" = 1 ] && PROBE_ARGS=(--tier emulated --n 1024)
+step "math mode probes" "$WORK/probe_math_mode.log" "" -- \
+  "$VPY" "$REPO/scripts/probe_math_mode.py" ${PROBE_ARGS[@]+"${PROBE_ARGS[@]}"} --json "$WORK/probe_math_mode.json" \
+  || FAILED=1
+
 step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
   "$VPY" "$REPO/scripts/bench_kernels.py" --short --json "$WORK/bench_kernels.json" \
     --chart "$OUT/bench_kernels.png" || FAILED=1

@@ -144,11 +144,17 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     md = (tmp_path / "acceptance-report.md").read_text()
     data = json.loads((tmp_path / "acceptance-report.json").read_text())
     assert data["dry_run"] and data["verdict"].startswith("DRY RUN passed")
-    assert [s["name"] for s in data["steps"]][:7] == ["create the venv and install bnb-mps", "python -m bnb_mps",
+    assert [s["name"] for s in data["steps"]][:8] == ["create the venv and install bnb-mps", "python -m bnb_mps",
                                                       "test suite", "kernel verification (cold)",
-                                                      "kernel verification (cached)", "kernel benchmarks (short)",
-                                                      "host cost per op call"]
-    assert all(s["status"] == 0 for s in data["steps"][:7])
+                                                      "kernel verification (cached)", "math mode probes",
+                                                      "kernel benchmarks (short)", "host cost per op call"]
+    assert all(s["status"] == 0 for s in data["steps"][:8])
+    # the float-semantics probes (the emulator here): every row rounds a*b + c twice, the fma control fuses
+    rows = data["math_mode"]["rows"]
+    assert {r["source"] for r in rows} == {"bare", "pinned"}
+    assert all(r["probe_mad"]["contracted"] == 0 and r["probe_fma"]["contracted"] == r["probe_fma"]["distinguishing"]
+               for r in rows)  # fmt: skip
+    assert "## Float semantics on this GPU" in md and "contracted results in them: 0" in md
     # First-use verification, cold then from the cache (the emulated tier here: no GPU tier).
     cold, cached = data["verification"]["cold"], data["verification"]["cached"]
     assert cold["tier"] == "emulated" and all(f["passed"] and not f["cached"] for f in cold["families"].values())

@@ -452,8 +452,9 @@ def test_the_cache_key_holds_the_math_mode(emulated_tier, monkeypatch):
     from bnb_mps.executors import shader
 
     h = source.source_hash()
+    monkeypatch.setattr(shader, "_process_fast_math", False)  # (a process started without PYTORCH_MPS_FAST_MATH)
     assert verification.cache_key("shader", h).endswith(" | safe math")
-    monkeypatch.setenv("PYTORCH_MPS_FAST_MATH", "1")
+    monkeypatch.setattr(shader, "_process_fast_math", True)  # (a process started with PYTORCH_MPS_FAST_MATH=1)
     monkeypatch.setattr(shader, "math_mode_pinned", lambda macos, torch_ver: False)  # Metal 3.1: fast math reaches the kernels
     assert verification.cache_key("shader", h).endswith(" | fast math")
     monkeypatch.setattr(shader, "math_mode_pinned", lambda macos, torch_ver: True)  # Metal >= 3.2: the pragmas hold

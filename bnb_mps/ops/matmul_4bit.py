@@ -30,13 +30,13 @@ def _check_matmul(op, A, B, shapeB, absmax, blocksize) -> None:
     if A.shape[-1] != shapeB[1]:
         raise ValueError(f"{op}: A's last dimension ({A.shape[-1]}) must equal shapeB[1] = K ({shapeB[1]})")
     v.blocksize(op, blocksize, v.BLOCKSIZES_4BIT)
-    v.tensor(op, "absmax", absmax, dtypes=(torch.float32,))
     packed_bytes(op, "B", B, shapeB[0] * shapeB[1])
 
 
 @checks("gemv_4bit")
 def check_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> None:
     _check_gemv("gemv_4bit", A, B, shapeB, absmax, code, blocksize)
+    _covered_gemv(absmax, code)
 
 
 @checks("gemv_4bit.out")
@@ -46,14 +46,26 @@ def check_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out) -> None:
     v.tensor(op, "out", out, dtypes=(A.dtype,))
     v.shape(op, "out", out, (*A.shape[:-1], shapeB[0]))
     v.same_device(op, A=A, out=out)
+    _covered_gemv(absmax, code)
 
 
 def _check_gemv(op, A, B, shapeB, absmax, code, blocksize) -> None:
+    # bitsandbytes' pure-PyTorch gemv (what serves mps without bnb_mps) takes absmax and code of any
+    # float dtype and reads only code[1] (its sign tells FP4 from NF4): the kernels take float32 and
+    # the 16 values (_covered_gemv)
     _check_matmul(op, A, B, shapeB, absmax, blocksize)
-    v.tensor(op, "code", code, dtypes=(torch.float32,))
-    v.numel(op, "code", code, 16)
+    v.tensor(op, "absmax", absmax, dtypes=v.FLOATS)
+    v.tensor(op, "code", code, dtypes=v.FLOATS)
+    v.numel(op, "code", code, 2, at_least=True)
     v.numel(op, "absmax", absmax, v.blocks(shapeB[0] * shapeB[1], blocksize), at_least=True)
     v.same_device(op, A=A, B=B, absmax=absmax, code=code)
+
+
+def _covered_gemv(absmax, code) -> None:
+    v.covered_dtype("absmax", absmax, (torch.float32,), v.FLOATS)
+    v.covered_dtype("code", code, (torch.float32,), v.FLOATS)
+    if code.numel() != 16:
+        raise v.NotCovered(f"code of {code.numel()} values (the kernels take the 16 of a 4-bit table)")
 
 
 @checks("gemm_4bit")
@@ -62,11 +74,10 @@ def check_gemm_4bit(
 ) -> None:
     op = "gemm_4bit"
     _check_matmul(op, A, B, shapeB, absmax, blocksize)
+    v.tensor(op, "absmax", absmax, dtypes=(torch.float32,))
     v.quant_type(op, quant_type)
     nblocks = v.blocks(shapeB[0] * shapeB[1], blocksize)
-    if absmax_8bit is None:
-        if absmax_code is not None or absmax_offset is not None:
-            raise ValueError(f"{op}: absmax_code and absmax_offset are only used together with absmax_8bit")
+    if absmax_8bit is None:  # (absmax_code and absmax_offset are then ignored, as bitsandbytes does)
         v.numel(op, "absmax", absmax, nblocks, at_least=True)
     else:
         # Nested (double) quantization: absmax holds the per-256-block scales of absmax_8bit.
@@ -80,10 +91,9 @@ def check_gemm_4bit(
     if bias is not None:
         v.tensor(op, "bias", bias, dtypes=(A.dtype,), ndim=1)
         v.numel(op, "bias", bias, shapeB[0])
-    v.same_device(
-        op, A=A, B=B, absmax=absmax, bias=bias, absmax_8bit=absmax_8bit, absmax_code=absmax_code,
-        absmax_offset=absmax_offset,
-    )  # fmt: skip
+    nested = {} if absmax_8bit is None else dict(absmax_8bit=absmax_8bit, absmax_code=absmax_code,
+                                                  absmax_offset=absmax_offset)  # fmt: skip
+    v.same_device(op, A=A, B=B, absmax=absmax, bias=bias, **nested)
 
 
 # -- kernels --------------------------------------------------------------------------------------
