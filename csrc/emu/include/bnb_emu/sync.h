@@ -7,6 +7,10 @@
 #include "abi.h"
 #include "math.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>  // one instruction for 8 half -> float conversions (simdgroup_matrix rows)
+#endif
+
 namespace metal {
 namespace emu {
 
@@ -428,48 +432,84 @@ inline void materialize(const simdgroup_matrix<T, C, R>& x) {
   x.state = kFull;
 }
 
+// Eight floats of an 8-wide matrix in one vector: its row r as it lies in the array, or its column.
+typedef float float8_t __attribute__((vector_size(32)));
+template <class T>
+inline float8_t row8(const simdgroup_matrix<T, 8, 8>& x, int r) {
+  if constexpr (std::is_same<T, float>::value) {
+    float8_t v;
+    __builtin_memcpy(&v, x.m[r], sizeof v);
+    return v;
+#if defined(__F16C__)
+  } else if constexpr (std::is_same<T, half>::value) {
+    // vcvtph2ps: the instruction `float(h)` compiles to (bnb_mps.emulator.build.isa_flags), eight at a time.
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x.m[r])));
+    float8_t v;
+    __builtin_memcpy(&v, &f, sizeof v);
+    return v;
+#endif
+  } else {
+    return float8_t{float(x.m[r][0]), float(x.m[r][1]), float(x.m[r][2]), float(x.m[r][3]),
+                    float(x.m[r][4]), float(x.m[r][5]), float(x.m[r][6]), float(x.m[r][7])};
+  }
+}
+template <class T>
+inline float8_t column8(const simdgroup_matrix<T, 8, 8>& x, int c) {
+  return float8_t{float(x.m[0][c]), float(x.m[1][c]), float(x.m[2][c]), float(x.m[3][c]),
+                  float(x.m[4][c]), float(x.m[5][c]), float(x.m[6][c]), float(x.m[7][c])};
+}
+
 // This lane's elements of d = a * b (+ c), each accumulated in float in k order from c's element
 // (or 0.0f); d may be a, b or c.
 template <class TD, class TA, class TB, class TC, int M, int N, int K, bool Acc>
 inline void multiply_share(const bnb_emu_lane& l, simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
                            const simdgroup_matrix<TB, N, K>& b, const simdgroup_matrix<TC, N, M>* c) {
   if constexpr (Acc) materialize(*c);
-  if (M == 8 && N == 8 && K == 8 && l.lanes_in_simdgroup == 32) {
-    // The common case: two adjacent elements of row lane / 4. Each layout combination of the
-    // operands gets its own loop (no test per element).
-    const int i = int(l.thread_index_in_simdgroup / 4), j = 2 * int(l.thread_index_in_simdgroup % 4);
-    float acc0 = 0.0f, acc1 = 0.0f;
-    if constexpr (Acc) {
-      acc0 = float(c->at(i, j));
-      acc1 = float(c->at(i, j + 1));
-    }
-    auto products = [&](auto a_transposed, auto b_transposed) {
-      for (int k = 0; k < K; ++k) {
-        const float av = float(a_transposed ? a.m[k][i] : a.m[i][k]);
-        acc0 = acc0 + av * float(b_transposed ? b.m[j][k] : b.m[k][j]);
-        acc1 = acc1 + av * float(b_transposed ? b.m[j + 1][k] : b.m[k][j + 1]);
+  if constexpr (M == 8 && N == 8 && K == 8) {
+    if (l.lanes_in_simdgroup == 32) {
+      // The common case: two adjacent elements of row lane / 4. Each layout combination of the
+      // operands gets its own loop (no test per element).
+      const int i = int(l.thread_index_in_simdgroup / 4), j = 2 * int(l.thread_index_in_simdgroup % 4);
+      float acc0 = 0.0f, acc1 = 0.0f;
+      if constexpr (Acc) {
+        acc0 = float(c->at(i, j));
+        acc1 = float(c->at(i, j + 1));
       }
-    };
-    using yes = std::true_type;
-    using no = std::false_type;
-    if (a.transposed)
-      b.transposed ? products(yes{}, yes{}) : products(yes{}, no{});
-    else
-      b.transposed ? products(no{}, yes{}) : products(no{}, no{});
-    d.transposed = false;
-    d.m[i][j] = TD(acc0);
-    d.m[i][j + 1] = TD(acc1);
-  } else {
-    TD out[M][N];
-    for_share<M, N>(l, [&](int i, int j) {
-      float acc = 0.0f;
-      if constexpr (Acc) acc = float(c->at(i, j));
-      for (int k = 0; k < K; ++k) acc = acc + float(a.at(i, k)) * float(b.at(k, j));
-      out[i][j] = TD(acc);
-    });
-    d.transposed = false;
-    for_share<M, N>(l, [&](int i, int j) { d.m[i][j] = out[i][j]; });
+      // The 16 products as two vectors of 8 (each product rounded as the scalar one is: the same
+      // instruction per element), then added to the accumulators one by one in k order. A row of
+      // memory (a's row i; b's columns j, j + 1 when b is kept transposed) is converted to float by
+      // one vector conversion.
+      auto products = [&](auto a_transposed, auto b_transposed) {
+        const float8_t av = a_transposed ? column8(a, i) : row8(a, i);
+        const float8_t p0 = av * (b_transposed ? row8(b, j) : column8(b, j));
+        const float8_t p1 = av * (b_transposed ? row8(b, j + 1) : column8(b, j + 1));
+        for (int k = 0; k < K; ++k) {
+          acc0 = acc0 + p0[k];
+          acc1 = acc1 + p1[k];
+        }
+      };
+      using yes = std::true_type;
+      using no = std::false_type;
+      if (a.transposed)
+        b.transposed ? products(yes{}, yes{}) : products(yes{}, no{});
+      else
+        b.transposed ? products(no{}, yes{}) : products(no{}, no{});
+      d.transposed = false;
+      d.m[i][j] = TD(acc0);
+      d.m[i][j + 1] = TD(acc1);
+      d.state = kShare;
+      return;
+    }
   }
+  TD out[M][N];
+  for_share<M, N>(l, [&](int i, int j) {
+    float acc = 0.0f;
+    if constexpr (Acc) acc = float(c->at(i, j));
+    for (int k = 0; k < K; ++k) acc = acc + float(a.at(i, k)) * float(b.at(k, j));
+    out[i][j] = TD(acc);
+  });
+  d.transposed = false;
+  for_share<M, N>(l, [&](int i, int j) { d.m[i][j] = out[i][j]; });
   d.state = kShare;
 }
 
