@@ -22,7 +22,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "emulator.json"
     shapes = ",".join("x".join(map(str, s)) for s in SHAPES)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--shapes", shapes, "--repeat", "1", "--min-time", "0",
-                           "--check", "--json", str(out)], capture_output=True, text=True, timeout=900)  # fmt: skip
+                           "--torch-window", "0.01", "--check", "--json", str(out)], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(out.read_text())
 
@@ -54,6 +54,10 @@ def test_figures_are_consistent(run):
     for shape in data["shapes"]:
         macs = shape["M"] * shape["K"] * shape["N"]
         assert shape["macs"] == macs
+        # The shape's lines: its torch.matmul line and the kernel lines up to the next shape.
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{shape['M']}x{shape['K']}x{shape['N']} "))
+        end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+        block = lines[start + 1 : end]
         torch_rate = shape["torch_matmul"]["mmacs_per_s"]
         assert torch_rate == pytest.approx(macs / shape["torch_matmul"]["seconds"] / 1e6)
         for k in shape["kernels"]:
@@ -62,7 +66,7 @@ def test_figures_are_consistent(run):
             assert k["seconds"] > 0
             assert k["mmacs_per_s"] == pytest.approx(macs / k["seconds"] / 1e6)
             assert k["ratio"] == pytest.approx(k["mmacs_per_s"] / torch_rate)
-            printed = next(line for line in lines if f" {k['kernel']} " in f" {line} " and k["name"] in line).split()
+            printed = next(line for line in block if line.split()[:2] == [k["name"], k["kernel"]]).split()
             assert float(printed[-2]) == pytest.approx(k["mmacs_per_s"], abs=0.06)
             want = f"1/{1 / k['ratio']:.0f}" if k["ratio"] < 1 else f"{k['ratio']:.2f}x"
             assert printed[-1] == want
@@ -86,6 +90,7 @@ def test_check_fails_on_a_wrong_product():
 
 def test_bad_arguments_are_refused():
     for args, message in ((["--shapes", "12x34"], "MxKxN"), (["--shapes", "0x8x8"], "at least 1"),
-                          (["--kernels", "int9_tiled"], "unknown kernels int9_tiled"), (["--repeat", "0"], "at least 1")):  # fmt: skip
+                          (["--kernels", "int9_tiled"], "unknown kernels int9_tiled"), (["--repeat", "0"], "at least 1"),
+                          (["--torch-window", "-1"], "must not be negative")):  # fmt: skip
         proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)

@@ -369,6 +369,10 @@ struct Worker {
   volatile bool in_fiber = false;
   Dispatch* d = nullptr;
   std::vector<Lane> lanes;
+  // Lanes [0, lanes_ready) of `lanes` (at lanes_base) have their constant fields and fiber headers
+  // set; 0 after a threadgroup ended in a fault (its lanes' matrix counts were not reset).
+  const Lane* lanes_base = nullptr;
+  uint32_t lanes_ready = 0;
   std::vector<std::unique_ptr<Stack>> stacks;
   std::vector<uint32_t> order;
   // The lanes of the running round, in order (run_group), and the next one to run.
@@ -906,9 +910,6 @@ bool Worker::resolve() {
     uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
     Lane* first = nullptr;
     Lane* barrier = nullptr;
-    uint32_t mask = 0;
-    void* ops[kSimdWidth] = {nullptr};
-    void* res[kSimdWidth] = {nullptr};
     for (uint32_t i = lo; i < hi; ++i) {
       Lane& l = lanes[i];
       if (l.state == AT_SIMD) {
@@ -923,9 +924,6 @@ bool Worker::resolve() {
                                first->what, where(first->file, first->line).c_str());
           return false;
         }
-        mask |= 1u << (i - lo);
-        ops[i - lo] = l.operand;
-        res[i - lo] = l.result;
       } else if (l.state == AT_BARRIER && !barrier) {
         barrier = &l;
       }
@@ -958,6 +956,15 @@ bool Worker::resolve() {
       profile_flush(sg);
       ++prof->r.collectives;
     }
+    uint32_t mask = 0;
+    void* ops[kSimdWidth] = {nullptr};
+    void* res[kSimdWidth] = {nullptr};
+    for (uint32_t i = lo; i < hi; ++i)
+      if (lanes[i].state == AT_SIMD) {
+        mask |= 1u << (i - lo);
+        ops[i - lo] = lanes[i].operand;
+        res[i - lo] = lanes[i].result;
+      }
     if (first->resolver) first->resolver(ops, res, mask);
     for (uint32_t i = lo; i < hi; ++i)
       if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
@@ -1032,41 +1039,60 @@ bool Worker::run_group(uint64_t linear) {
     stacks.push_back(std::move(s));
   }
   uint32_t nsg = (nlanes + kSimdWidth - 1) / kSimdWidth;
+  if (lanes_base != lanes.data()) {  // the Lane objects moved: their fiber headers point at the old ones
+    lanes_base = lanes.data();
+    lanes_ready = 0;
+  }
+  // What every lane of the threadgroup shares, then each lane's own position.
+  bnb_emu_lane shared{};
+  for (int k = 0; k < 3; ++k) {
+    shared.threadgroup_position_in_grid[k] = g[k];
+    shared.threads_per_threadgroup[k] = size[k];
+    shared.dispatch_threads_per_threadgroup[k] = q.group_size[k];
+    shared.threadgroups_per_grid[k] = q.groups[k];
+    shared.threads_per_grid[k] = q.threads[k];
+  }
+  shared.threads_per_simdgroup = kSimdWidth;
+  shared.simdgroups_per_threadgroup = nsg;
+  uint32_t t[3] = {0, 0, 0};  // thread_position_in_threadgroup of lane i
   for (uint32_t i = 0; i < nlanes; ++i) {
     Lane& l = lanes[i];
-    l.index = i;
-    l.worker = this;
-    l.stack = stacks[i].get();
+    if (i >= lanes_ready) {  // (the same for every threadgroup that has this lane)
+      l.index = i;
+      l.worker = this;
+      l.stack = stacks[i].get();
+      l.fiber = l.stack->header;
+      l.fiber->lane = &l.pub;
+      l.fiber->matrix_log = &matrix_log[i / kSimdWidth].pub;
+      l.fiber->matrix_ops = 0;  // (then back to 0 at each synchronisation: matrix_sync)
+    }
     l.state = RUNNABLE;
     bnb_emu_lane& p = l.pub;
-    uint32_t t[3] = {i % size[0], (i / size[0]) % size[1], i / (size[0] * size[1])};
+    p = shared;
     for (int k = 0; k < 3; ++k) {
       p.thread_position_in_threadgroup[k] = t[k];
-      p.threadgroup_position_in_grid[k] = g[k];
-      p.threads_per_threadgroup[k] = size[k];
-      p.dispatch_threads_per_threadgroup[k] = q.group_size[k];
-      p.threadgroups_per_grid[k] = q.groups[k];
-      p.threads_per_grid[k] = q.threads[k];
       p.thread_position_in_grid[k] = g[k] * q.group_size[k] + t[k];
+    }
+    if (++t[0] == size[0]) {
+      t[0] = 0;
+      if (++t[1] == size[1]) {
+        t[1] = 0;
+        ++t[2];
+      }
     }
     p.thread_index_in_threadgroup = i;
     p.thread_index_in_simdgroup = i % kSimdWidth;
     p.simdgroup_index_in_threadgroup = i / kSimdWidth;
-    p.threads_per_simdgroup = kSimdWidth;
-    p.simdgroups_per_threadgroup = nsg;
     p.lanes_in_simdgroup = std::min(kSimdWidth, nlanes - (i / kSimdWidth) * kSimdWidth);
-    // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
-    // unstaggered tops would all compete for the same few cache sets.
 #if BNB_EMU_ASAN
     // Frames of fibers that never returned (finished or abandoned) leave poisoned redzones.
     __asan_unpoison_memory_region(l.stack->lo, l.stack->size);
 #endif
-    l.fiber = l.stack->header;
-    l.fiber->lane = &l.pub;
-    l.fiber->matrix_log = &matrix_log[i / kSimdWidth].pub;
-    l.fiber->matrix_ops = 0;
+    // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
+    // unstaggered tops would all compete for the same few cache sets.
     context_init(&l.ctx, l.stack->lo, l.stack->size - (i % 61) * 64, fiber_main, &l);
   }
+  lanes_ready = std::max(lanes_ready, nlanes);
   if (q.race_check) {
     race.init();
     race.clear(kMaxThreadgroupMemory);
@@ -1221,19 +1247,28 @@ class Pool {
         if (slot < d->profiles.size()) w.prof = d->profiles[slot].get();
       }
       FloatModeScope float_mode(d->req->flush_subnormals);
-      for (;;) {
-        if (d->failed.load(std::memory_order_relaxed)) break;
-        uint64_t i = d->next.fetch_add(1, std::memory_order_relaxed);
-        if (i >= d->total_groups) break;
-        w.has_pending = false;
-        if (!w.run_group(i)) {
-          std::lock_guard<std::mutex> lk(d->mu);
-          if (!d->have_fault) {
-            d->have_fault = true;
-            d->fault = w.pending;
+      // Threadgroups are claimed a few at a time (chunk: a 16th of each worker's share, at most
+      // 64), so that the workers rarely meet on the shared counter.
+      const uint64_t chunk = std::max<uint64_t>(1, std::min<uint64_t>(64, d->total_groups / (16 * size())));
+      for (bool running = true; running;) {
+        const uint64_t first = d->next.fetch_add(chunk, std::memory_order_relaxed);
+        for (uint64_t i = first; i < first + chunk; ++i) {
+          if (i >= d->total_groups || d->failed.load(std::memory_order_relaxed)) {
+            running = false;
+            break;
           }
-          d->failed.store(true);
-          break;
+          w.has_pending = false;
+          if (!w.run_group(i)) {
+            w.lanes_ready = 0;
+            std::lock_guard<std::mutex> lk(d->mu);
+            if (!d->have_fault) {
+              d->have_fault = true;
+              d->fault = w.pending;
+            }
+            d->failed.store(true);
+            running = false;
+            break;
+          }
         }
       }
       w.d = nullptr;
