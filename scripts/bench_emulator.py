@@ -14,15 +14,14 @@ would pick for that shape:
 and torch.matmul in float32 on as many threads as the emulator has workers (BNB_MPS_EMU_THREADS,
 default: the CPU's hardware threads), before and after the kernels of each shape (the faster of
 the two is the reference, so that a busy machine does not flatter the emulator). A kernel's time
-is its best launch (repeats until --min-time seconds or --repeat launches); torch.matmul's is its
-best window of calls back to back (--torch-window seconds at least, three windows), so that both
-are timed over comparable spans. Reported: the times, million multiply-accumulates per second, and
-each kernel's rate as a fraction of torch.matmul's. The machine's load average is printed with the
-figures: other work on the machine slows both sides, so compare ratios from one run.
+is its best launch (repeats until --min-time seconds or --repeat launches), torch.matmul's its best
+call (at least 50 calls). Reported: the times, million multiply-accumulates per second, and each
+kernel's rate as a fraction of torch.matmul's. The machine's load average is printed with the
+figures: other work slows both sides, torch.matmul's two threads (which meet at every call) more
+than the emulator's, so compare ratios from one run, on a machine as quiet as can be had.
 
     python scripts/bench_emulator.py [--shapes 256x512x512,1024x1024x1024] [--kernels int8_tiled,mma_4bit]
-                                     [--repeat 3] [--min-time 1.0] [--torch-window 0.25] [--check]
-                                     [--json PATH] [--micro]
+                                     [--repeat 3] [--min-time 1.0] [--check] [--json PATH] [--micro]
 
 --check compares each kernel's output with a plain PyTorch product (exact for int8, a tolerance
 for the 4-bit kernels): slow for large shapes. --micro adds the emulator's own figures: simulated
@@ -182,25 +181,12 @@ def best_time(fn: Callable[[], object], repeat: int, min_time: float) -> float:
     return best
 
 
-def torch_matmul_time(M: int, K: int, N: int, window: float, windows: int = 3) -> float:
-    """Seconds per torch.matmul call: the best of `windows` windows of calls back to back, each
-    window at least `window` seconds long (and at least one call), so that torch.matmul and the
-    kernels (single launches of tenths of a second and more) are both timed over comparable spans
-    of a machine that may be busy with other work."""
+def torch_matmul_time(M: int, K: int, N: int, repeat: int, min_time: float) -> float:
+    """Seconds per torch.matmul call: its best call (at least 50 calls, or --min-time seconds)."""
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
     torch.matmul(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(windows):
-        calls, t = 0, time.perf_counter()
-        while True:
-            torch.matmul(a, b)
-            calls += 1
-            elapsed = time.perf_counter() - t
-            if elapsed >= window:
-                break
-        best = min(best, elapsed / calls)
-    return best
+    return best_time(lambda: torch.matmul(a, b), max(repeat, 50), min_time)
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -217,8 +203,7 @@ def ratio_text(ratio: float) -> str:
     return f"1/{1 / ratio:.0f}" if 0 < ratio < 1 else f"{ratio:.2f}x"
 
 
-def measure(shapes, names, repeat: int, min_time: float, do_check: bool, threads: int,
-            torch_window: float = 0.25) -> list[dict]:
+def measure(shapes, names, repeat: int, min_time: float, do_check: bool, threads: int) -> list[dict]:
     from bnb_mps.executors import emulated
 
     executor = emulated.load()
@@ -242,7 +227,7 @@ def measure(shapes, names, repeat: int, min_time: float, do_check: bool, threads
         shape = f"{M}x{K}x{N}"
         x = make_inputs(M, K, N)
         print(f"  ({shape}: torch.matmul)", file=sys.stderr, flush=True)
-        t_torch = torch_matmul_time(M, K, N, torch_window)
+        t_torch = torch_matmul_time(M, K, N, repeat, min_time)
         kernels = []
         for name in names:
             product = KERNELS[name]
@@ -257,7 +242,7 @@ def measure(shapes, names, repeat: int, min_time: float, do_check: bool, threads
             if do_check:
                 check(name, launch, x)
             kernels.append({"name": name, "kernel": launch.kernel, "seconds": seconds, "mmacs_per_s": macs / seconds / 1e6})
-        t_torch = min(t_torch, torch_matmul_time(M, K, N, torch_window))
+        t_torch = min(t_torch, torch_matmul_time(M, K, N, repeat, min_time))
         torch_rate = macs / t_torch / 1e6
         print(f"{shape:<18} {'torch.matmul':<13} {f'float32, {threads} threads':<36} {t_torch:>10.5f} {torch_rate:>11.1f}")
         for k in kernels:
@@ -324,8 +309,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {', '.join(KERNELS)}")
     ap.add_argument("--repeat", type=int, default=3, help="at most this many runs of each (the best counts)")
     ap.add_argument("--min-time", type=float, default=1.0, help="stop repeating once this many seconds are spent")
-    ap.add_argument("--torch-window", type=float, default=0.25,
-                    help="torch.matmul is timed over windows of calls at least this long (seconds)")
     ap.add_argument("--check", action="store_true", help="compare every output with a PyTorch reference")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("--micro", action="store_true", help="also measure the emulator's own figures (see above)")
@@ -340,8 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"unknown kernels {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
-    if args.torch_window < 0 or args.min_time < 0:
-        ap.error("--torch-window and --min-time must not be negative")
+    if args.min_time < 0:
+        ap.error("--min-time must not be negative")
 
     from bnb_mps.emulator.library import _runtime
 
@@ -352,8 +335,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"load average {load_start[0]:.2f} on {os.cpu_count()} CPUs")  # fmt: skip
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
               "threads": threads, "loadavg_start": list(load_start)}  # fmt: skip
-    report["torch_window_s"] = args.torch_window
-    report["shapes"] = measure(shapes, names, args.repeat, args.min_time, args.check, threads, args.torch_window)
+    report["shapes"] = measure(shapes, names, args.repeat, args.min_time, args.check, threads)
     if args.micro:
         report["micro"] = micro(max(args.repeat, 3))
     report["loadavg_end"] = list(os.getloadavg())

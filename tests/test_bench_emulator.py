@@ -22,7 +22,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "emulator.json"
     shapes = ",".join("x".join(map(str, s)) for s in SHAPES)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--shapes", shapes, "--repeat", "1", "--min-time", "0",
-                           "--torch-window", "0.01", "--check", "--json", str(out)], capture_output=True, text=True, timeout=900)  # fmt: skip
+                           "--check", "--json", str(out)], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(out.read_text())
 
@@ -91,6 +91,6 @@ def test_check_fails_on_a_wrong_product():
 def test_bad_arguments_are_refused():
     for args, message in ((["--shapes", "12x34"], "MxKxN"), (["--shapes", "0x8x8"], "at least 1"),
                           (["--kernels", "int9_tiled"], "unknown kernels int9_tiled"), (["--repeat", "0"], "at least 1"),
-                          (["--torch-window", "-1"], "must not be negative")):  # fmt: skip
+                          (["--min-time", "-1"], "must not be negative")):  # fmt: skip
         proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)

@@ -374,7 +374,7 @@ struct Worker {
   const Lane* lanes_base = nullptr;
   uint32_t lanes_ready = 0;
   std::vector<std::unique_ptr<Stack>> stacks;
-  std::vector<uint32_t> order;
+  std::vector<uint32_t> order, sg_order;
   // The lanes of the running round, in order (run_group), and the next one to run.
   std::vector<Lane*> round;
   size_t round_next = 0;
@@ -401,7 +401,8 @@ struct Worker {
 
   bool run_group(uint64_t linear);
   void run_round();
-  bool resolve();
+  int resolve_simdgroup(uint32_t sg);
+  bool resolve_barrier();
   bool matrix_sync(uint32_t sg);
   void race_diff(Lane& l);
   void profile_flush(uint32_t sg);
@@ -902,77 +903,79 @@ bool Worker::matrix_sync(uint32_t sg) {
   return true;
 }
 
-// Called when no lane can run. Returns false on a fault (recorded in `pending`).
-bool Worker::resolve() {
-  bool progressed = false;
-  uint32_t nsg = (nlanes + kSimdWidth - 1) / kSimdWidth;
-  for (uint32_t sg = 0; sg < nsg; ++sg) {
-    uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
-    Lane* first = nullptr;
-    Lane* barrier = nullptr;
-    for (uint32_t i = lo; i < hi; ++i) {
-      Lane& l = lanes[i];
-      if (l.state == AT_SIMD) {
-        if (!first) {
-          first = &l;
-        } else if (l.resolver != first->resolver || l.line != first->line ||
-                   (l.file != first->file && std::strcmp(l.file, first->file) != 0)) {
-          fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, &l, l.file, l.line,
-                               "SIMD-group collective in divergent control flow: this thread is at %s (%s) while "
-                               "lane %u of its simdgroup is at %s (%s)",
-                               l.what, where(l.file, l.line).c_str(), first->pub.thread_index_in_simdgroup,
-                               first->what, where(first->file, first->line).c_str());
-          return false;
-        }
-      } else if (l.state == AT_BARRIER && !barrier) {
-        barrier = &l;
+// Called when no lane of simdgroup `sg` can run: resolves the collective its lanes wait at, if they
+// all do. Returns 1 if it did (the lanes can run again), 0 if they wait at no collective (at a
+// barrier, or done), -1 on a fault (recorded in `pending`).
+int Worker::resolve_simdgroup(uint32_t sg) {
+  uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+  Lane* first = nullptr;
+  Lane* barrier = nullptr;
+  for (uint32_t i = lo; i < hi; ++i) {
+    Lane& l = lanes[i];
+    if (l.state == AT_SIMD) {
+      if (!first) {
+        first = &l;
+      } else if (l.resolver != first->resolver || l.line != first->line ||
+                 (l.file != first->file && std::strcmp(l.file, first->file) != 0)) {
+        fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, &l, l.file, l.line,
+                             "SIMD-group collective in divergent control flow: this thread is at %s (%s) while "
+                             "lane %u of its simdgroup is at %s (%s)",
+                             l.what, where(l.file, l.line).c_str(), first->pub.thread_index_in_simdgroup,
+                             first->what, where(first->file, first->line).c_str());
+        return -1;
       }
+    } else if (l.state == AT_BARRIER && !barrier) {
+      barrier = &l;
     }
-    if (!first) continue;
-    // The project's kernels keep SIMD collectives in simdgroup-uniform control flow: every lane
-    // that exists reaches each one. (Metal itself would run it over the remaining active lanes,
-    // which hides `if (...) x = simd_sum(x);` and early returns before a collective.)
-    for (uint32_t i = lo; i < hi; ++i) {
-      if (lanes[i].state == DONE) {
-        char pos[300];
-        format_position(pos, sizeof pos, lanes[i].pub);
-        fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
-                             "SIMD-group collective in divergent control flow: this thread is at %s (%s) but a "
-                             "thread of its simdgroup has returned without reaching it (%s)",
-                             first->what, where(first->file, first->line).c_str(), pos);
-        return false;
-      }
-    }
-    if (barrier) {
-      fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
-                           "SIMD-group collective in divergent control flow: this thread is at %s while lane %u of "
-                           "its simdgroup waits at threadgroup_barrier (%s)",
-                           first->what, barrier->pub.thread_index_in_simdgroup,
-                           where(barrier->file, barrier->line).c_str());
-      return false;
-    }
-    if (!matrix_sync(sg)) return false;
-    if (prof) {
-      profile_flush(sg);
-      ++prof->r.collectives;
-    }
-    uint32_t mask = 0;
-    void* ops[kSimdWidth] = {nullptr};
-    void* res[kSimdWidth] = {nullptr};
-    for (uint32_t i = lo; i < hi; ++i)
-      if (lanes[i].state == AT_SIMD) {
-        mask |= 1u << (i - lo);
-        ops[i - lo] = lanes[i].operand;
-        res[i - lo] = lanes[i].result;
-      }
-    if (first->resolver) first->resolver(ops, res, mask);
-    for (uint32_t i = lo; i < hi; ++i)
-      if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
-    ++race.sg_epoch[sg];
-    progressed = true;
   }
-  if (progressed) return true;
+  if (!first) return 0;
+  // The project's kernels keep SIMD collectives in simdgroup-uniform control flow: every lane
+  // that exists reaches each one. (Metal itself would run it over the remaining active lanes,
+  // which hides `if (...) x = simd_sum(x);` and early returns before a collective.)
+  for (uint32_t i = lo; i < hi; ++i) {
+    if (lanes[i].state == DONE) {
+      char pos[300];
+      format_position(pos, sizeof pos, lanes[i].pub);
+      fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
+                           "SIMD-group collective in divergent control flow: this thread is at %s (%s) but a "
+                           "thread of its simdgroup has returned without reaching it (%s)",
+                           first->what, where(first->file, first->line).c_str(), pos);
+      return -1;
+    }
+  }
+  if (barrier) {
+    fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
+                         "SIMD-group collective in divergent control flow: this thread is at %s while lane %u of "
+                         "its simdgroup waits at threadgroup_barrier (%s)",
+                         first->what, barrier->pub.thread_index_in_simdgroup,
+                         where(barrier->file, barrier->line).c_str());
+    return -1;
+  }
+  if (!matrix_sync(sg)) return -1;
+  if (prof) {
+    profile_flush(sg);
+    ++prof->r.collectives;
+  }
+  uint32_t mask = 0;
+  void* ops[kSimdWidth] = {nullptr};
+  void* res[kSimdWidth] = {nullptr};
+  for (uint32_t i = lo; i < hi; ++i)
+    if (lanes[i].state == AT_SIMD) {
+      mask |= 1u << (i - lo);
+      ops[i - lo] = lanes[i].operand;
+      res[i - lo] = lanes[i].result;
+    }
+  if (first->resolver) first->resolver(ops, res, mask);
+  for (uint32_t i = lo; i < hi; ++i)
+    if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
+  ++race.sg_epoch[sg];
+  return 1;
+}
 
+// Called when no lane of the threadgroup can run and none waits at a collective: releases the
+// threadgroup barrier they all wait at. Returns false on a fault (recorded in `pending`).
+bool Worker::resolve_barrier() {
+  const uint32_t nsg = nsg_of(nlanes);
   // Every lane left is at a threadgroup barrier: all must be at the same one, and none may have
   // exited (Metal requires every thread of the threadgroup to reach each barrier).
   Lane* first = nullptr;
@@ -1101,8 +1104,16 @@ bool Worker::run_group(uint64_t linear) {
   arena_used = 0;
   sites.clear();
   for (uint32_t sg = 0; sg < nsg; ++sg) matrix_log[sg].pub.count = 0;
+  // The order of the simdgroups, and of the lanes within each (order[lo, hi) permutes the lanes of
+  // the simdgroup [lo, hi)): forward, reverse, or shuffled before each pass and round (random).
+  const bool reverse = q.order == LaneOrder::Reverse, random = q.order == LaneOrder::Random;
   order.resize(nlanes);
-  for (uint32_t i = 0; i < nlanes; ++i) order[i] = q.order == LaneOrder::Reverse ? nlanes - 1 - i : i;
+  for (uint32_t i = 0; i < nlanes; ++i) {
+    const uint32_t lo = i / kSimdWidth * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+    order[i] = reverse ? lo + hi - 1 - i : i;
+  }
+  sg_order.resize(nsg);
+  for (uint32_t sg = 0; sg < nsg; ++sg) sg_order[sg] = reverse ? nsg - 1 - sg : sg;
   rng = q.seed * 0x2545F4914F6CDD1Dull + linear;
   if (prof) {
     ++prof->token;
@@ -1112,18 +1123,33 @@ bool Worker::run_group(uint64_t linear) {
     for (uint32_t i = 0; i < nlanes; ++i) prof->accesses[i].clear();
   }
 
+  // Passes over the simdgroups until every lane is done. In a pass each simdgroup runs until none
+  // of its lanes can run: rounds of its runnable lanes, each followed by the SIMD-group collective
+  // they then all wait at. Simdgroups need each other only at threadgroup barriers, released
+  // between passes; running one at a time keeps the stacks of 32 lanes, not of the whole
+  // threadgroup, in the CPU's caches.
   for (;;) {
-    if (q.order == LaneOrder::Random)
-      for (uint32_t i = nlanes; i > 1; --i) std::swap(order[i - 1], order[splitmix(rng) % i]);
-    round.clear();
-    for (uint32_t k = 0; k < nlanes; ++k) {
-      Lane& l = lanes[order[k]];
-      if (l.state == RUNNABLE) round.push_back(&l);
-    }
-    const bool any = !round.empty();
-    if (any) {
-      run_round();
-      if (has_pending) return false;
+    if (random)
+      for (uint32_t i = nsg; i > 1; --i) std::swap(sg_order[i - 1], sg_order[splitmix(rng) % i]);
+    bool any = false;
+    for (uint32_t sg : sg_order) {
+      const uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+      for (;;) {
+        if (random)
+          for (uint32_t i = hi - lo; i > 1; --i) std::swap(order[lo + i - 1], order[lo + splitmix(rng) % i]);
+        round.clear();
+        for (uint32_t k = lo; k < hi; ++k) {
+          Lane& l = lanes[order[k]];
+          if (l.state == RUNNABLE) round.push_back(&l);
+        }
+        if (round.empty()) break;
+        any = true;
+        run_round();
+        if (has_pending) return false;
+        const int resolved = resolve_simdgroup(sg);
+        if (resolved < 0) return false;
+        if (resolved == 0) break;
+      }
     }
     if (!any) {
       bool all_done = true;
@@ -1135,7 +1161,7 @@ bool Worker::run_group(uint64_t linear) {
         return true;
       }
     }
-    if (!resolve()) return false;
+    if (!resolve_barrier()) return false;
   }
 }
 
