@@ -241,7 +241,8 @@ def measure(shapes, names, repeat: int, min_time: float, do_check: bool, threads
             seconds = best_time(run, repeat, min_time)
             if do_check:
                 check(name, launch, x)
-            kernels.append({"name": name, "kernel": launch.kernel, "seconds": seconds, "mmacs_per_s": macs / seconds / 1e6})
+            kernels.append({"name": name, "kernel": launch.kernel, "seconds": seconds,
+                            "mmacs_per_s": macs / seconds / 1e6})
         t_torch = min(t_torch, torch_matmul_time(M, K, N, repeat, min_time))
         torch_rate = macs / t_torch / 1e6
         print(f"{shape:<18} {'torch.matmul':<13} {f'float32, {threads} threads':<36} {t_torch:>10.5f} {torch_rate:>11.1f}")
@@ -253,8 +254,8 @@ def measure(shapes, names, repeat: int, min_time: float, do_check: bool, threads
             print(f"{'':<18} {k['name']:<13} {k['kernel']:<36} {k['seconds']:>10.4f} {k['mmacs_per_s']:>11.1f} "
                   f"{ratio_text(k['ratio']):>9}")  # fmt: skip
         sys.stdout.flush()
-        results.append({"M": M, "K": K, "N": N, "macs": macs, "torch_matmul": {"seconds": t_torch, "mmacs_per_s": torch_rate},
-                        "kernels": kernels})  # fmt: skip
+        results.append({"M": M, "K": K, "N": N, "macs": macs,
+                        "torch_matmul": {"seconds": t_torch, "mmacs_per_s": torch_rate}, "kernels": kernels})
     return results
 
 

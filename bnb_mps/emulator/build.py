@@ -4,9 +4,10 @@ The compiler is the `compiler` argument, else BNB_MPS_EMU_CXX, else c++ / g++ / 
 PATH. Kernels are built as C++17 with -O2, IEEE float (no fast-math, no FMA contraction) so that
 results are reproducible, and -Werror=vla; on an x86-64 CPU with F16C also with -mf16c
 (`isa_flags`), which changes no result. BNB_MPS_EMU_CXXFLAGS adds flags (the sanitizer script uses
-it; `-mno-f16c` there builds without F16C). Modules are cached under $BNB_MPS_CACHE_DIR/emu (default ~/.cache/bnb_mps/emu), keyed
-by the source, the shim headers, the compiler and the flags; writes go to a temporary file that
-is renamed into place, so concurrent test processes share the cache safely.
+it; `-mno-f16c` there builds without F16C). Modules are cached under $BNB_MPS_CACHE_DIR/emu
+(default ~/.cache/bnb_mps/emu), keyed by the source, the shim headers, the compiler and the flags;
+writes go to a temporary file that is renamed into place, so concurrent test processes share the
+cache safely.
 
 Profiling modules (`Library.profile`) are a separate build: clang's
 `-fsanitize-coverage=trace-loads,trace-stores` makes every load and store of the kernel code call

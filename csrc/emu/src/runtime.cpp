@@ -600,7 +600,8 @@ const bnb_emu_lane* rt_matrix_op(const char* what, const void* args, size_t size
     matrix_op_check(w, log.pub.ops[n], what, args, size, file, line);
     return &l->pub;
   }
-  if (size > sizeof(MatrixOp::args)) rt_fail(BNB_EMU_KERNEL_ERROR, "simdgroup_matrix operation: arguments too large", file, line);
+  if (size > sizeof(MatrixOp::args))
+    rt_fail(BNB_EMU_KERNEL_ERROR, "simdgroup_matrix operation: arguments too large", file, line);
   MatrixOp& op = log.append();
   op.what = what;
   op.file = file;
