@@ -21,7 +21,7 @@ from . import blockwise, fourbit, int8, matmul_4bit, optim  # noqa: F401  (each 
 from . import resolve as _resolve
 from . import routing
 from . import plan as _plan
-from .registry import OPS, OpDef, argument_spec, bind, op_packet
+from .registry import OPS, OpDef, argument_spec, op_packet
 from .resolve import HandBack, Where, not_covered_notes
 from .validation import NotCovered
 from .routing import Route, route
@@ -56,36 +56,13 @@ def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Option
     registered for the CPU key), else on its route's tier; `hand_back` and `stock` as for
     `dispatcher_entry`."""
     where = Where(executor, hand_back, stock)
-    bound = bind(op.name, args, kwargs or {})
-    served, _ = _resolve.resolve(op, bound, where)
-    return _run(op, served, tuple(bound), where)
-
-
-def _run(op: OpDef, served, args: tuple, where: Where, kept: Optional["_Plans"] = None):
-    """Run `served` for a call (its positional arguments `args`), counted; see `_recover`."""
+    served, args, _ = _resolve.resolve(op, args, kwargs or {}, where)
     _calls[served.counted] += 1
     try:
         return served(args)
     except (NotCovered, *_resolve.REFUSALS) as e:
         _calls[served.counted] -= 1
-        return _recover(op, e, args, where, kept)
-
-
-def _recover(op: OpDef, e: Exception, args: tuple, where: Where, kept: Optional["_Plans"]):
-    """Serve a call whose callable raised before launching anything: a call it does not cover after all
-    (NotCovered from per-call values, the optimizers' hyperparameters, or from an unplanned kernel)
-    takes the next route; a launch its kernel tier refuses moves the op past the tier, and the call is
-    served there. (`kept`: the entry's table, where a finding that holds for the signature is kept.)"""
-    if isinstance(e, NotCovered):
-        served = _resolve.elsewhere(op, e, where)
-        if kept is not None and _resolve.holds_for_signature(op):
-            kept.keep(args, served)
-    elif where.executor is not None:
-        raise e
-    else:
-        served = _resolve.past_the_tier(op, e, where)
-    _calls[served.counted] += 1
-    return served(args)
+        return _next(op, e, served, args, where, None)
 
 
 def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, hand_back: Optional[HandBack] = None,
@@ -112,26 +89,33 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, h
     plans, skip = kept.plans, kept.skip
 
     def entry(args: tuple, kwargs: dict):
+        served = None
         if plans and not kwargs and kept.generation == executors.generation and kept.epoch == routing.epoch:
             key = _plan.key(args, skip)
-            hit = plans.get(key) if key is not None else None
-            if hit is not None:  # a call like an earlier one: what served it, at once
-                _calls[hit.counted] += 1
-                try:
-                    return hit(args)
-                except (NotCovered, *_resolve.REFUSALS) as e:
-                    _calls[hit.counted] -= 1
-                    return _recover(op, e, args, where, kept)
-        bound = bind(name, args, kwargs)
-        served, keep = _resolve.resolve(op, bound, where)
-        if kwargs:
-            return _run(op, served, tuple(bound), where)
-        if keep:
-            kept.keep(args, served)
-        return _run(op, served, args, where, kept)
+            served = plans.get(key) if key is not None else None  # a call like an earlier one: what served it
+        if served is None:  # a new call signature
+            served, args, keep = _resolve.resolve(op, args, kwargs, where)
+            if keep:
+                kept.keep(args, served)
+        _calls[served.counted] += 1
+        try:
+            return served(args)
+        except (NotCovered, *_resolve.REFUSALS) as e:  # (raised before anything was launched)
+            _calls[served.counted] -= 1
+            return _next(op, e, served, args, where, kept if not kwargs else None)
 
     entry.plans = plans  # (what it keeps, for tests and diagnostics)
     return entry
+
+
+def _next(op: OpDef, e: Exception, served, args: tuple, where: Where, kept: Optional["_Plans"]):
+    """Serve a call on the next route, where `served` raised `e` before launching anything
+    (bnb_mps.ops.resolve.after); keep that route for the signature where it holds for every call."""
+    served, holds = _resolve.after(op, e, served, where)
+    if holds and kept is not None:
+        kept.keep(args, served)
+    _calls[served.counted] += 1
+    return served(args)
 
 
 class _Plans:

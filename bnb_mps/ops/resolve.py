@@ -5,23 +5,24 @@ comes here from the op's dispatcher entry (bnb_mps.ops), which keeps what `resol
 signature: every later call with that key is one lookup and one call of it (bnb_mps.ops.served).
 Resolving, in this order:
 
-1. checks   the op's argument checks: an error raises. A call whose arguments bitsandbytes accepts
+1. route    where the op goes (bnb_mps.ops.routing, or the executor the op was registered with):
+            bitsandbytes' own implementation (the whole op handed back: bitsandbytes then checks its
+            calls itself), the CPU round trip, or a kernel tier;
+2. checks   the op's argument checks: an error raises. A call whose arguments bitsandbytes accepts
             but bnb-mps' kernels do not cover (NotCovered) is served by the next route (`elsewhere`):
             bitsandbytes' own implementation for the dispatch key, else the CPU round trip;
-2. route    where the op goes (bnb_mps.ops.routing, or the executor the op was registered with):
-            bitsandbytes' own implementation (the whole op handed back), the CPU round trip, or a
-            kernel tier;
 3. tuning   on a kernel tier, the route of this call's shape among its candidates
             (bnb_mps.ops.candidates: kernel paths and variants, dequantize+linear, bitsandbytes):
             the built-in one, or the fastest measured on this GPU (bnb_mps.ops.tuning);
 4. build    the callable of that route for this signature: a launch plan, the dequantize+linear
-            composite, bitsandbytes' own implementation.
+            composite, bitsandbytes' own implementation (bnb_mps.ops.served).
 
 The built-in route is built first, from the call's own arguments, so a call it does not cover
 (NotCovered from its planner) or a launch its tier refuses is found before anything is measured.
 A kernel tier that refuses a launch (PipelineLimitError, KernelUnavailable), when a callable is
 built or later when it runs, moves the whole op past that tier (`past_the_tier`): a call's kernels
-are known only once it is planned, and bitsandbytes takes an op back whole.
+are known only once it is planned, and bitsandbytes takes an op back whole. What raises when a kept
+callable runs is handled by `after`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Optional
 
 from .. import executors
 from . import candidates, routing, tuning
-from .registry import OpDef
+from .registry import OpDef, bind
 from .served import HandedBack, RoundTrip, Stock, Unplanned
 from .validation import NotCovered
 
@@ -58,34 +59,38 @@ class Where:
     stock: Optional[Callable[..., object]] = None
 
 
-def resolve(op: OpDef, args: list, where: Where) -> tuple[Any, bool]:
-    """What serves calls with the signature of `args` (every argument, schema order), and whether
-    it may be kept for them."""
-    try:
-        op.check(*args)  # 1. checks
-    except NotCovered as uncovered:
-        return elsewhere(op, uncovered, where), holds_for_signature(op)
-    tier, reason, executor = _route(op, args, where)  # 2. route
-    if tier == "bitsandbytes":
+def resolve(op: OpDef, args: tuple, kwargs: dict, where: Where) -> tuple[Any, tuple, bool]:
+    """What serves calls with the signature of this call (its arguments as the dispatcher gave them),
+    the call's positional arguments for it, and whether it may be kept for every call with that key."""
+    bound = bind(op.name, args, kwargs)
+    served, keep = _resolve(op, bound, where)
+    return served, (args if not kwargs else tuple(bound)), keep and not kwargs
+
+
+def _resolve(op: OpDef, args: list, where: Where) -> tuple[Any, bool]:
+    tier, reason, executor = _route(op, args, where)  # 1. route
+    if where.executor is None and tier != "native":
         executors.notify_slow_tier(op.name, tier, reason)
+    if tier == "bitsandbytes":  # (the op handed back whole: bitsandbytes checks its calls)
         if where.hand_back is not None:
             return HandedBack(op.name, where.hand_back(op.name, reason)), False
         return (Stock(op.name, where.stock) if where.stock is not None else RoundTrip(op.name)), True
+    try:
+        op.check(*args)  # 2. checks
+    except NotCovered as uncovered:
+        return elsewhere(op, uncovered, where, tier), holds_for_signature(op)
     if tier == "cpu":
-        executors.notify_slow_tier(op.name, tier, reason)
         return RoundTrip(op.name), True
-    if where.executor is None and tier != "native":
-        executors.notify_slow_tier(op.name, tier, reason)
     if op.planned is None:
         return Unplanned(op.name, op.kernel, executor, tier), True
     routes = candidates.of(op, args, executor, tier, where.stock)
     try:
         built = routes.routes[routes.default].build(args)  # (what the call's own arguments allow)
-        choice = tuning.choose(routes, tier, executor)  # 3. tuning
+        choice = tuning.choose(routes, tier, executor, verified=where.executor is None)  # 3. tuning
         if choice != routes.default:
             built = _build(routes, choice, args, built)  # 4. build
     except NotCovered as uncovered:
-        return elsewhere(op, uncovered, where), holds_for_signature(op)
+        return elsewhere(op, uncovered, where, tier), holds_for_signature(op)
     except REFUSALS as refusal:
         if where.executor is not None:
             raise
@@ -100,7 +105,8 @@ def _route(op: OpDef, args: list, where: Where) -> tuple[str, str, Any]:
     r = routing.route(op.name)
     if r.tier in ("bitsandbytes", "cpu"):
         return r.tier, r.reason, None
-    return r.tier, r.reason, executors.executor_for(_device_type(args))
+    device = next((a.device.type for a in args if hasattr(a, "device")), "cpu")
+    return r.tier, r.reason, executors.executor_for(device)
 
 
 def _build(routes: candidates.Candidates, choice: str, args: list, default):
@@ -120,13 +126,6 @@ def holds_for_signature(op: OpDef) -> bool:
     return not (op.planned is not None and op.planned.dynamic_positions)
 
 
-def _device_type(args: list) -> str:
-    for a in args:
-        if hasattr(a, "device"):
-            return a.device.type
-    return "cpu"
-
-
 # -- the next route -------------------------------------------------------------------------------------------
 
 #: (op name, what was not covered) -> the tier that served such calls: one note each (backend_info)
@@ -135,18 +134,18 @@ _NOTES_PER_OP = 8
 _SERVED_BY = {"bitsandbytes": "bitsandbytes' own implementation", "cpu": "the CPU round trip"}
 
 
-def elsewhere(op: OpDef, uncovered: NotCovered, where: Where):
+def elsewhere(op: OpDef, uncovered: NotCovered, where: Where, tier: str):
     """What serves a call whose arguments bitsandbytes accepts but the kernels do not cover
     (`uncovered` says what): bitsandbytes' own implementation when there is one, else the CPU round
-    trip (also when that is the op's route anyway). Nothing was launched or allocated for it."""
-    if where.stock is not None and (where.executor is not None or routing.route(op.name).tier != "cpu"):
+    trip (also when that is the op's route, `tier`, anyway). Nothing was launched or allocated for it."""
+    if where.stock is not None and tier != "cpu":
         served = Stock(op.name, where.stock)
     else:
         served = RoundTrip(op.name)
-    tier, what = served.counted[1], str(uncovered)
+    served_by, what = served.counted[1], str(uncovered)
     if (op.name, what) not in _not_covered and sum(n == op.name for n, _ in _not_covered) < _NOTES_PER_OP:
-        _not_covered[op.name, what] = tier
-        logger.info("bnb_mps: %s: calls with %s are served by %s", op.name, what, _SERVED_BY[tier])
+        _not_covered[op.name, what] = served_by
+        logger.info("bnb_mps: %s: calls with %s are served by %s", op.name, what, _SERVED_BY[served_by])
     return served
 
 
@@ -157,6 +156,19 @@ def not_covered_notes() -> dict[str, list[str]]:
     for (name, what), tier in list(_not_covered.items()):
         out.setdefault(name, []).append(f"calls with {what} are served by {_SERVED_BY[tier]}")
     return out
+
+
+def after(op: OpDef, e: Exception, served, where: Where) -> tuple[Any, bool]:
+    """The next route of a call whose callable `served` raised `e` before launching anything, and
+    whether it holds for every call of that signature: a call it does not cover after all (NotCovered
+    from per-call values, the optimizers' hyperparameters, or from an unplanned kernel) is served
+    `elsewhere`; a launch the kernel tier refuses moves the op `past_the_tier` (an executor the op was
+    registered with raises it)."""
+    if isinstance(e, NotCovered):
+        return elsewhere(op, e, where, served.counted[1]), holds_for_signature(op)
+    if where.executor is not None:
+        raise e
+    return past_the_tier(op, e, where), False
 
 
 def past_the_tier(op: OpDef, refusal: Exception, where: Where):

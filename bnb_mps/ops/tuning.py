@@ -119,12 +119,16 @@ def cache_path() -> Path:
 # -- the process's choices -----------------------------------------------------------------------------------
 
 _lock = threading.RLock()  # (reentrant: measuring a route may call an op whose shape is new too)
-_decided: dict[tuple[str, str], Decision] = {}  # (machine key, shape key) -> decision
+_decided: dict[tuple[str, str], Decision] = {}  # (machine key, shape key) -> the decision calls take
+_made: dict[tuple[str, str], Decision] = {}  # (machine key, shape key) -> the last decision of this process
 _fixed: Optional[dict] = None  # testing.fixed_timings
 
 
-def choose(c: Candidates, tier: str, executor) -> str:
-    """The route that serves calls of `c`'s shape key on `tier` (whose kernels run on `executor`)."""
+def choose(c: Candidates, tier: str, executor, verified: bool = True) -> str:
+    """The route that serves calls of `c`'s shape key on `tier` (whose kernels run on `executor`).
+    `verified`: routes other than the built-in one need their kernel families verified (on the tiers
+    that serve mps; not for an executor an op was registered with, e.g. in tests, which is taken as it
+    is, its kernels unverified as its built-in route's are)."""
     how = mode(tier, c.device.type)
     if how == "0" or len(c.routes) < 2:
         return c.default
@@ -136,24 +140,24 @@ def choose(c: Candidates, tier: str, executor) -> str:
     with _lock:
         found = _decided.get((machine, c.key))
         if found is not None and (how != "always" or not found.cached):
-            offered, _ = _offered(c, tier, executor)
+            offered, _ = _offered(c, tier, executor, verified)
             if found.choice in offered:
                 return found.choice
         if how == "1" and _fixed is None:
             found = _from_entry(_read().get(machine, {}).get(c.key), c.key, tier)
-            if found is not None and found.choice in _offered(c, tier, executor)[0]:
-                _decided[machine, c.key] = found
+            if found is not None and found.choice in _offered(c, tier, executor, verified)[0]:
+                _decided[machine, c.key] = _made[machine, c.key] = found
                 return found.choice
-        found = measure(c, tier, executor)
-        _decided[machine, c.key] = found
+        found = measure(c, tier, executor, verified)
+        _decided[machine, c.key] = _made[machine, c.key] = found
         _store(machine, found)
         return found.choice
 
 
-def measure(c: Candidates, tier: str, executor) -> Decision:
+def measure(c: Candidates, tier: str, executor, verified: bool = True) -> Decision:
     """Times every candidate of `c` on fresh inputs of its shape and decides (`decide`)."""
     start = time.perf_counter()
-    offered, left_out = _offered(c, tier, executor)
+    offered, left_out = _offered(c, tier, executor, verified)
     gpu = timing.gpu_clock_available(c.device.type, tier)
     fixed = _fixed
     times: dict = {}
@@ -179,9 +183,10 @@ def measure(c: Candidates, tier: str, executor) -> Decision:
     return decision
 
 
-def _offered(c: Candidates, tier: str, executor) -> tuple[dict[str, Route], dict[str, str]]:
+def _offered(c: Candidates, tier: str, executor, verified: bool) -> tuple[dict[str, Route], dict[str, str]]:
     """The candidates of `c`: the built-in route, and each other one whose kernel families passed
-    verification on `tier` and that BNB_MPS_TUNE_EXCLUDE does not name; and {route: why} of the rest."""
+    verification on `tier` (where `verified`) and that BNB_MPS_TUNE_EXCLUDE does not name; and
+    {route: why} of the rest."""
     offered, left_out = {}, {}
     skip = excluded()
     for name, route in c.routes.items():
@@ -189,7 +194,7 @@ def _offered(c: Candidates, tier: str, executor) -> tuple[dict[str, Route], dict
         if name != c.default:
             if name in skip:
                 why = f"excluded by {EXCLUDE_ENV_VAR}"
-            else:
+            elif verified:
                 why = _unverified(route.families, tier, executor)
         if why is None:
             offered[name] = route
@@ -274,11 +279,11 @@ def _number(x: Any) -> bool:
 
 
 def table() -> list[dict]:
-    """One entry per shape key: this process's choices, then the cache's for this machine and this
-    software (every tier), each once (see Decision.row)."""
+    """One entry per shape key: this process's decisions (the last of each key), then the cache's for
+    this machine and this software (every tier), each once (see Decision.row)."""
     rows: dict = {}
     with _lock:
-        for (machine, key), d in _decided.items():
+        for (machine, key), d in _made.items():
             rows[machine, key] = d.row()
     mine = {}
     for tier in ("native", "shader", "emulated"):
@@ -297,8 +302,8 @@ def table() -> list[dict]:
 
 
 def reset() -> None:
-    """Forget this process's choices (they are made again, from the cache or measured); the op layer's
-    kept callables go with them."""
+    """Forget this process's choices, which are then made again (from the cache or measured), and the
+    op layer's kept callables with them. (`table` still lists the decisions this process made.)"""
     from . import routing
 
     with _lock:
