@@ -111,21 +111,23 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
     else:
         key, fresh = _generic_key(op, args), lambda: _generic_fresh(op.name, args)
         worth = op.name in TUNED and _size(args) > 0
-    if worth and stock is not None and _stock_computes_the_spec(op, device):
+    if worth and stock is not None and _stock_computes_the_spec(op.name, args, device):
         routes["bitsandbytes"] = Route("bitsandbytes", (), lambda a: Stock(op.name, stock))
     return Candidates(op.name, key, paths[0], routes, device, fresh)
 
 
-def _stock_computes_the_spec(op: OpDef, device: torch.device) -> bool:
-    """Whether bitsandbytes' own implementation is a route here. On CPU tensors (the emulated tier of
-    the tests) not for the ops whose CPU round trip bnb-mps composes itself (OpDef.composite): their
-    CPU kernels in bitsandbytes depend on the CPU's instruction set (bnb_mps.ops.cpu_round_trip)."""
+def _stock_computes_the_spec(name: str, args: Sequence, device: torch.device) -> bool:
+    """Whether bitsandbytes' own implementation computes docs/semantics.md for this call, so that it
+    may be a route. On a GPU it does. On CPU tensors (the emulated tier of tests and debugging) its
+    CPU kernels of gemv_4bit and dequantize_4bit depend on the instruction set (on CPUs with
+    AVX512-BF16 its gemv reads another weight layout; on CPUs with AVX-512F its dequantize misplaces
+    blocks that straddle rows, see bnb_mps.ops.cpu_round_trip), and its gemm_4bit dequantizes through
+    the latter: there it is a route only where no block straddles a row (K % blocksize == 0)."""
     if device.type != "cpu":
         return True
-    from .registry import OPS
-
-    base = OPS.get(op.name.removesuffix(".out"))
-    return op.composite is None and (base is None or base.composite is None)
+    if name in ("gemv_4bit", "gemv_4bit.out", "dequantize_4bit", "dequantize_4bit.out"):
+        return False
+    return name != "gemm_4bit" or args[2][1] % args[4] == 0
 
 
 def _device(args: Sequence) -> torch.device:

@@ -135,6 +135,8 @@ PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "mma": 1}
 # Rows of A up to which the gemv and batch kernels are worth measuring against the mma kernel: the
 # gemv kernel reads the whole weight once per row of A, the batch kernel once per 8 rows, the mma
 # kernel once per 32; with more rows than these, they read it more often than the mma kernel does.
+# These and the switch points above are powers of two, as tuning's buckets of M are (every M of a
+# bucket has the same paths and the same built-in one).
 GEMV_CANDIDATE_MAX_M = 4
 BATCH_CANDIDATE_MAX_M = 32
 

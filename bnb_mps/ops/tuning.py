@@ -148,10 +148,21 @@ def choose(c: Candidates, tier: str, executor, verified: bool = True) -> str:
             if found is not None and found.choice in _offered(c, tier, executor, verified)[0]:
                 _decided[machine, c.key] = _made[machine, c.key] = found
                 return found.choice
-        found = measure(c, tier, executor, verified)
-        _decided[machine, c.key] = _made[machine, c.key] = found
-        _store(machine, found)
-        return found.choice
+        return _measured(c, tier, executor, verified, machine).choice
+
+
+def retune(c: Candidates, tier: str, executor, verified: bool = True) -> Decision:
+    """Measures `c`'s shape key now, whatever the process or the cache knows, and keeps the decision
+    as `choose` does (for this process and in the cache): what `python -m bnb_mps tune` runs."""
+    with _lock:
+        return _measured(c, tier, executor, verified, _machine_key(tier, executor))
+
+
+def _measured(c: Candidates, tier: str, executor, verified: bool, machine: str) -> Decision:
+    found = measure(c, tier, executor, verified)
+    _decided[machine, c.key] = _made[machine, c.key] = found
+    _store(machine, found)
+    return found
 
 
 def measure(c: Candidates, tier: str, executor, verified: bool = True) -> Decision:
@@ -303,7 +314,14 @@ def table() -> list[dict]:
 
 def reset() -> None:
     """Forget this process's choices, which are then made again (from the cache or measured), and the
-    op layer's kept callables with them. (`table` still lists the decisions this process made.)"""
+    op layer's kept callables with them."""
+    with _lock:
+        _made.clear()
+    _forget_choices()
+
+
+def _forget_choices() -> None:
+    """Forget the choices calls take (`table` still lists the decisions this process made)."""
     from . import routing
 
     with _lock:
@@ -323,10 +341,10 @@ def fixed(times: dict) -> Iterator[None]:
             raise ValueError(f"fixed_timings: the time of route {r!r} must be a number of seconds >= 0, got {t!r}")
     with _lock:
         before, _fixed = _fixed, dict(times)
-    reset()
+    _forget_choices()
     try:
         yield
     finally:
         with _lock:
             _fixed = before
-        reset()
+        _forget_choices()
