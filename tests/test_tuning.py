@@ -414,7 +414,8 @@ def test_a_malformed_cache_counts_as_empty(monkeypatch):
     assert row_of("gemm_4bit")["choice"] == "dequantize+linear"
     assert list(json.loads(tuning.cache_path().read_text()).values())[0]
     assert tuning._from_entry({"op": "gemm_4bit", "choice": 1}, "k", "native") is None
-    assert tuning._from_entry({"op": "x", "choice": "mma", "default": "mma", "times": {"mma": "fast"}}, "k", "t") is None
+    wrong_time = {"op": "x", "choice": "mma", "default": "mma", "times": {"mma": "fast"}}
+    assert tuning._from_entry(wrong_time, "k", "t") is None
 
 
 def test_fixed_timings_checks_its_argument():

@@ -34,7 +34,6 @@ from typing import Any, Optional
 
 import torch
 
-from . import matmul_4bit
 from .dequantize_linear import DequantizeLinear
 from .plan import BoundPlan
 from .registry import OpDef, argument_spec
@@ -42,7 +41,8 @@ from .served import Stock
 
 #: ops with more than one route; every other op has its kernel alone
 TUNED = ("gemm_4bit", "gemv_4bit", "gemv_4bit.out", "quantize_4bit", "dequantize_4bit", "dequantize_4bit.out",
-         "quantize_blockwise", "dequantize_blockwise", "dequantize_blockwise.out", "optimizer_update_32bit")  # fmt: skip
+         "quantize_blockwise", "dequantize_blockwise", "dequantize_blockwise.out",
+         "optimizer_update_32bit")  # fmt: skip
 _MATMUL = ("gemm_4bit", "gemv_4bit", "gemv_4bit.out")
 
 #: the kernel families (bnb_mps.ops.verify) each kernel path of the 4-bit products runs
