@@ -15,7 +15,7 @@ Tuned ops: gemm_4bit, gemv_4bit and gemv_4bit.out (their paths, variants, dequan
 gemm_4bit, bitsandbytes); the 4-bit and 8-bit blockwise quantize and dequantize ops and the 32-bit
 optimizer (kernel, bitsandbytes). Every other op has its kernel alone. A route other than the
 built-in one is a candidate only where the kernel families it runs passed first-use verification
-(`Route.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify).
+(`Candidate.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify).
 
 The shape key says what a choice holds for: the op, the activations' dtype, N, K, blocksize,
 quant_type, nested block scales or not, bias or not, and M (rows of A) rounded up to a power of two
@@ -55,7 +55,9 @@ MAX_M_BUCKET = 4096
 
 
 @dataclass(frozen=True)
-class Route:
+class Candidate:
+    """A route of one call: its name, what it runs, and how to build it for a call signature."""
+
     name: str
     #: the kernel families that must have passed first-use verification for it to be a candidate
     families: tuple[str, ...]
@@ -70,7 +72,7 @@ class Candidates:
     op: str
     key: str
     default: str
-    routes: dict[str, Route]
+    routes: dict[str, Candidate]
     device: torch.device
     #: fresh(): new arguments of the key's shape on the call's device (schema order), to measure on
     fresh: Callable[[], list]
@@ -90,13 +92,13 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
     paths = planned.paths(*args) if planned.paths is not None else ("kernel",)
     counted = (op.name, tier)
 
-    def kernel(path: str) -> Route:
+    def kernel(path: str) -> Candidate:
         route = None if path == paths[0] else path  # (the planner plans the built-in path without one)
 
         def build(a: Sequence) -> BoundPlan:
             return BoundPlan(planned.plan(a, route), executor, counted, planned.dynamic)
 
-        return Route(path, PATH_FAMILIES.get(path, ()), build)
+        return Candidate(path, PATH_FAMILIES.get(path, ()), build)
 
     device = _device(args)
     routes = {path: kernel(path) for path in paths[: 1 if op.name not in TUNED else None]}
@@ -106,13 +108,13 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
         worth = math.prod(A.shape[:-1]) * N * K > 0  # (an empty product has its built-in route alone)
         if op.name == "gemm_4bit" and worth:
             nested = args[7] is not None
-            routes["dequantize+linear"] = Route("dequantize+linear", ("nf4_fp4",) + (("blockwise_8bit",) * nested),
+            routes["dequantize+linear"] = Candidate("dequantize+linear", ("nf4_fp4",) + (("blockwise_8bit",) * nested),
                                                 lambda a: DequantizeLinear(a, executor, tier))  # fmt: skip
     else:
         key, fresh = _generic_key(op, args), lambda: _generic_fresh(op.name, args)
         worth = op.name in TUNED and _size(args) > 0
     if worth and stock is not None and _stock_computes_the_spec(op.name, args, device):
-        routes["bitsandbytes"] = Route("bitsandbytes", (), lambda a: Stock(op.name, stock))
+        routes["bitsandbytes"] = Candidate("bitsandbytes", (), lambda a: Stock(op.name, stock))
     return Candidates(op.name, key, paths[0], routes, device, fresh)
 
 

@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from .. import json_cache
 from . import timing, verify
-from .candidates import Candidates, Route
+from .candidates import Candidate, Candidates
 
 logger = logging.getLogger("bnb_mps")
 
@@ -194,7 +194,7 @@ def measure(c: Candidates, tier: str, executor, verified: bool = True) -> Decisi
     return decision
 
 
-def _offered(c: Candidates, tier: str, executor, verified: bool) -> tuple[dict[str, Route], dict[str, str]]:
+def _offered(c: Candidates, tier: str, executor, verified: bool) -> tuple[dict[str, Candidate], dict[str, str]]:
     """The candidates of `c`: the built-in route, and each other one whose kernel families passed
     verification on `tier` (where `verified`) and that BNB_MPS_TUNE_EXCLUDE does not name; and
     {route: why} of the rest."""
