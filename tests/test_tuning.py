@@ -193,6 +193,17 @@ def test_the_shape_key_rounds_rows_up_to_a_power_of_two_and_reads_no_data():
     assert [candidates.m_bucket(M) for M in (1, 2, 3, 4096, 4097, 10**6)] == [1, 2, 4, 4096, 4097, 4097]
 
 
+def test_measuring_leaves_the_callers_random_numbers_alone():
+    """Fresh inputs come from a generator of their own: a first call changes no later random draw."""
+    args = gemm_args(40)
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    with use_emulated_kernels(), fixed_timings(times_favouring("mma")):
+        bnb.gemm_4bit.default(*args)
+    assert row_of("gemm_4bit")["times"]["mma"] == 1e-4 and torch.equal(torch.rand(4), want)
+
+
 def test_a_candidate_that_raises_is_dropped_with_its_error():
     """A GPU tier whose dequantize kernel fails at launch (a stand-in for a fault): dequantize+linear,
     measured fastest, raises there and is no candidate; the next fastest serves."""

@@ -5,14 +5,13 @@ Importing this package fills `OPS` with every schema bnb_mps serves.
 
 The dispatcher's kernel of an op forwards each call to the op's `dispatcher_entry`. Its first call
 with a given call signature (the metadata of its arguments, bnb_mps.ops.plan.key) is resolved to one
-callable (bnb_mps.ops.resolve: checks, route, tuning choice, build), which the entry keeps with the
+callable (bnb_mps.ops.resolve: route, checks, tuning choice, build), which the entry keeps with the
 signature; every later call with that key is one lookup and one call of what was kept, whichever
 route serves it (bnb_mps.ops.served).
 """
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from typing import Optional
 
@@ -25,8 +24,6 @@ from .registry import OPS, OpDef, argument_spec, op_packet
 from .resolve import HandBack, Where, not_covered_notes
 from .validation import NotCovered
 from .routing import Route, route
-
-logger = logging.getLogger("bnb_mps")
 
 __all__ = ["OPS", "NotCovered", "OpDef", "Route", "call", "call_counts", "dispatcher_entry", "not_covered_notes",
            "op_packet", "reset_call_counts", "route"]

@@ -107,9 +107,9 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
         A, (N, K) = args[0], args[2]
         worth = math.prod(A.shape[:-1]) * N * K > 0  # (an empty product has its built-in route alone)
         if op.name == "gemm_4bit" and worth:
-            nested = args[7] is not None
-            routes["dequantize+linear"] = Candidate("dequantize+linear", ("nf4_fp4",) + (("blockwise_8bit",) * nested),
-                                                lambda a: DequantizeLinear(a, executor, tier))  # fmt: skip
+            families = ("nf4_fp4", "blockwise_8bit") if args[7] is not None else ("nf4_fp4",)
+            routes["dequantize+linear"] = Candidate("dequantize+linear", families,
+                                                    lambda a: DequantizeLinear(a, executor, tier))
     else:
         key, fresh = _generic_key(op, args), lambda: _generic_fresh(op.name, args)
         worth = op.name in TUNED and _size(args) > 0
@@ -169,30 +169,47 @@ def _matmul_fresh(name: str, args: Sequence) -> list:
     N, K = shapeB
     device = A.device
     M = min(m_bucket(math.prod(A.shape[:-1])), MAX_M_BUCKET)
-    fresh_A = torch.randn(M, K, device=device).to(A.dtype)
-    fresh_B = _bytes(B.numel() * B.element_size(), device).view(B.dtype).reshape(B.shape)
+    rng = _Random(device)
+    fresh_A = rng.normal((M, K)).to(A.dtype)
+    fresh_B = rng.bytes(B.numel() * B.element_size()).view(B.dtype).reshape(B.shape)
     blocksize = args[4] if name == "gemm_4bit" else args[5]
     nblocks = math.ceil(N * K / blocksize)
     if name != "gemm_4bit":
         code = torch.linspace(-1, 1, 16, device=device)
         out = [torch.empty(M, N, dtype=A.dtype, device=device)] if name == "gemv_4bit.out" else []
-        return [fresh_A, fresh_B, list(shapeB), _scales(nblocks, device), code, blocksize, *out]
+        return [fresh_A, fresh_B, list(shapeB), rng.scales(nblocks), code, blocksize, *out]
     quant_type, bias, absmax_8bit, absmax_code, offset = args[5], args[6], args[7], args[8], args[9]
-    fresh_bias = None if bias is None else torch.randn(N, device=device).to(bias.dtype)
+    fresh_bias = None if bias is None else rng.normal((N,)).to(bias.dtype)
     if absmax_8bit is None:
-        return [fresh_A, fresh_B, list(shapeB), _scales(nblocks, device), blocksize, quant_type, fresh_bias,
+        return [fresh_A, fresh_B, list(shapeB), rng.scales(nblocks), blocksize, quant_type, fresh_bias,
                 None, None, None]  # fmt: skip
-    return [fresh_A, fresh_B, list(shapeB), _scales(math.ceil(nblocks / 256), device), blocksize, quant_type,
-            fresh_bias, _bytes(nblocks, device), torch.linspace(-1, 1, 256, device=device),
+    return [fresh_A, fresh_B, list(shapeB), rng.scales(math.ceil(nblocks / 256)), blocksize, quant_type,
+            fresh_bias, rng.bytes(nblocks), torch.linspace(-1, 1, 256, device=device),
             torch.full(tuple(offset.shape), 0.5, dtype=offset.dtype, device=device)]  # fmt: skip
 
 
-def _bytes(n: int, device) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
+class _Random:
+    """Random inputs on `device` from a generator of their own (seeded), so that measuring leaves the
+    caller's random number streams as they were: a first call of a shape must not change the results
+    of later calls (dropout, sampling) either. Drawn on the CPU and copied where the device has no
+    generator of its own."""
 
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        try:
+            self.gen, self.on = torch.Generator(device=self.device).manual_seed(0), self.device
+        except RuntimeError:
+            self.gen, self.on = torch.Generator().manual_seed(0), torch.device("cpu")
 
-def _scales(n: int, device) -> torch.Tensor:
-    return torch.rand(n, device=device) + 0.5
+    def normal(self, shape) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen, device=self.on).to(self.device)
+
+    def bytes(self, n: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=self.gen, device=self.on).to(self.device)
+
+    def scales(self, n: int) -> torch.Tensor:
+        """Positive block scales."""
+        return (torch.rand(n, generator=self.gen, device=self.on) + 0.5).to(self.device)
 
 
 # -- the other tuned ops: quantize / dequantize, the 32-bit optimizer -----------------------------------------
@@ -221,6 +238,7 @@ def _generic_fresh(name: str, args: Sequence) -> list:
     """A new tensor of the same dtype, shape and device for each tensor argument (contiguous), with
     values of its kind; the other arguments as they are."""
     out = []
+    rng = _Random(_device(args))
     for (arg, _), a in zip(argument_spec(name), args):
         if not isinstance(a, torch.Tensor):
             out.append(a)
@@ -228,12 +246,12 @@ def _generic_fresh(name: str, args: Sequence) -> list:
         if arg in _STATES:
             t = torch.zeros(a.shape, dtype=a.dtype, device=a.device)
         elif not a.dtype.is_floating_point:
-            t = _bytes(a.numel() * a.element_size(), a.device).view(a.dtype).reshape(a.shape)
+            t = rng.bytes(a.numel() * a.element_size()).view(a.dtype).reshape(a.shape)
         elif arg in _TABLES:
             t = torch.linspace(-1, 1, a.numel(), device=a.device).to(a.dtype).reshape(a.shape)
         elif arg in _SCALES:
-            t = _scales(a.numel(), a.device).to(a.dtype).reshape(a.shape)
+            t = rng.scales(a.numel()).to(a.dtype).reshape(a.shape)
         else:
-            t = torch.randn(a.shape, device=a.device).to(a.dtype)
+            t = rng.normal(a.shape).to(a.dtype)
         out.append(t)
     return out
