@@ -987,7 +987,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("matmul_4bit_mma", _MATMUL_OPS, lambda: _matmul_cases(37, 40, 200, seed=920)),
     # A kernel variant of a path (its 16-entry table in threadgroup memory): no op leaves the tier when
     # it fails, only the variant is then no candidate for tuning (bnb_mps.ops.tuning).
-    Family("matmul_4bit_gemv_tglut", (), lambda: _routed(_matmul_cases(1, 20, 1280, seed=930), "gemv/tglut")),
+    Family("matmul_4bit_tglut", (), lambda: _routed(_matmul_cases(1, 20, 1280, seed=930), "gemv/tglut")),
     Family("int8_quant", ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant"),
            _int8_quant_cases),
     Family("int8_products", ("int8_linear_matmul", "int8_linear_matmul.out", "int8_scaled_mm", "int8_mixed_scaled_mm"),
