@@ -124,6 +124,17 @@ def test_benchmark_tables_for_every_format():
     assert "native tier, real launches on mps: not measured (the native tier does not serve here)" in md
 
 
+def test_tuning_table_in_the_report():
+    tune = {"tier": "native", "dtype": "float16", "meaningful": True, "seconds": 3.5, "rows": [
+        {"shape": "4096x4096", "M": 1, "times": {"gemv": 1.1e-4, "gemv/tglut": 1.0e-4, "mma": 3e-4}, "choice": "gemv/tglut",
+         "default": "gemv", "errors": {"batch": "RuntimeError: x"}, "gbps": 84.2, "share_of_peak": 0.7, "tflops": None,
+         "dense_fp16_linear": 2.9e-4, "mlx_quantized_matmul": None}]}  # fmt: skip
+    md = ar.tuning_markdown(tune, "tune.png")
+    assert "| 4096x4096 | 1 | 0.11 | 0.1 * | 0.3 | gemv/tglut | gemv | 84.2 | 70% |  | 0.29 | - |" in md
+    assert "- 4096x4096 M=1 batch: `RuntimeError: x`" in md and "![route times](tune.png)" in md
+    assert "on the GPU's clock" in md and ar.tuning_markdown(None) == "(not run)"
+
+
 def test_refuses_to_run_without_apple_silicon(tmp_path):
     if sys.platform == "darwin":
         pytest.skip("this is a Mac")
@@ -168,6 +179,11 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     assert overhead["mode"] == "host" and set(overhead["no_op_launch"]["rows"]) and "error" in overhead["native"]
     assert "op layer, kernel launch replaced by a no-op" in md and "native tier, real launches on mps: not measured" in md
     assert data["machine"]["torch"] and data["tiers"]["ops"]
+    # python -m bnb_mps tune on a small shape (the emulated tier here: host-clock times, said so)
+    tune = data["tuning"]
+    assert tune["tier"] == "emulated" and not tune["meaningful"] and [r["M"] for r in tune["rows"]] == [1, 8, 40]
+    assert "## Tuning" in md and "mean nothing for a GPU" in md and (tmp_path / "tune.png").is_file() == (
+        "![route times](tune.png)" in md)  # fmt: skip
     # bnb-mps ran from the new venv, installed there
     venv_site = tmp_path / "acceptance-work" / "venv"
     assert list(venv_site.glob("lib/python*/site-packages/_editable_skbc_bnb_mps.pth"))

@@ -29,9 +29,11 @@ bnb_functional = pytest.importorskip("bitsandbytes.functional")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def run_gemm(executor, case: Case) -> dict:
+def run_gemm(executor, case: Case, route=None) -> dict:
+    """The product through the op layer (its built-in kernel path, or the kernel path `route`)."""
     A, args, W, bias = gemm_args(case)
-    y = call(OPS["gemm_4bit"], tuple(args), {}, executor)
+    y = call(OPS["gemm_4bit"], tuple(args), {}, executor) if route is None else matmul_4bit.gemm_4bit(
+        executor, *args, route=route)
     assert y.shape == (*A.shape[:-1], case.N) and y.dtype == case.dtype and y.is_contiguous()
     return R.check_accuracy(y.reshape(-1, case.N), A.reshape(-1, case.K), W, bias)
 
@@ -67,11 +69,10 @@ def test_all_orders(library, path, dtype, nested):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_threadgroup_table_variant_all_orders(library, dtype, monkeypatch):
-    monkeypatch.setattr(matmul_4bit, "GEMV_TABLE", "threadgroup")
+def test_threadgroup_table_variant_all_orders(library, dtype):
     for nested in (False, True):
         ex = EmulatedExecutor(library, checked=True)
-        run_gemm(ex, Case(1, 19, 96, dtype=dtype, nested=nested, bias=True, quant_type="fp4", seed=4))
+        run_gemm(ex, Case(1, 19, 96, dtype=dtype, nested=nested, bias=True, quant_type="fp4", seed=4), "gemv/tglut")
         assert ex.launched == [f"bnb_gemv_4bit_tglut_{'nested' if nested else 'absmax'}_{DT[dtype]}"]
 
 
