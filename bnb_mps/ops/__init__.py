@@ -43,7 +43,10 @@ def call_counts() -> dict[str, dict[str, int]]:
 
 
 def reset_call_counts() -> None:
+    """Forget the calls counted so far, and the notes of calls the kernels did not cover
+    (`not_covered_notes`): both are observations of the calls since the last reset."""
     _calls.clear()
+    _resolve.forget_notes()
 
 
 def call(op: OpDef, args: tuple, kwargs: Optional[dict] = None, executor: Optional[executors.Executor] = None,

@@ -149,6 +149,10 @@ def elsewhere(op: OpDef, uncovered: NotCovered, where: Where, tier: str):
     return served
 
 
+def forget_notes() -> None:
+    _not_covered.clear()
+
+
 def not_covered_notes() -> dict[str, list[str]]:
     """{op: [note, ...]}: the kinds of calls whose arguments bitsandbytes accepts but bnb_mps' kernels
     do not cover, seen in this process, and what served them."""
