@@ -35,6 +35,7 @@ from bnb_mps.executors import PipelineLimitError
 from bnb_mps.msl import source
 from bnb_mps.ops import routing
 from bnb_mps.ops import verify as verification
+from bnb_mps.ops.verify import cache, first_use, machine_key, runner
 
 KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "kernels"
 MPS = DispatchKeySet(DispatchKey.MPS)
@@ -419,7 +420,7 @@ def test_malformed_cache_content_counts_as_missing_and_is_rewritten(emulated_tie
     v = verification.verdict(family, "emulated", executor)  # must not raise
     assert v.passed and not v.cached and v.launches > 0, v  # run now, not taken from the file
     entry = json.loads(path.read_text())[key][family]  # rewritten, in the shape a later process reads
-    assert verification._from_entry(family, entry) is not None and entry["passed"] is True
+    assert cache._from_entry(family, entry) is not None and entry["passed"] is True
     verification.reset()
     again = verification.verdict(family, "emulated", executor)
     assert again.cached and again.passed
@@ -560,12 +561,12 @@ def test_kernel_source_that_does_not_compile_is_a_failure_of_the_kernels(monkeyp
         build.find_compiler()
     except emulator.CompileError:
         pytest.skip("no C++ compiler here")
-    assert not verification._cannot_run(error)
+    assert not runner._cannot_run(error)
     monkeypatch.setattr(build, "find_compiler", lambda compiler=None: (_ for _ in ()).throw(
         emulator.CompileError("no C++ compiler found (tried c++, g++, clang++); set BNB_MPS_EMU_CXX")))  # fmt: skip
-    assert verification._cannot_run(error)
-    assert not verification._cannot_run(emulator.OutOfBounds("out-of-bounds write"))
-    assert not verification._cannot_run(RuntimeError("a GPU tier's error"))
+    assert runner._cannot_run(error)
+    assert not runner._cannot_run(emulator.OutOfBounds("out-of-bounds write"))
+    assert not runner._cannot_run(RuntimeError("a GPU tier's error"))
 
 
 def test_verify_0_skips_verification(emulated_tier, planted_kernels, monkeypatch):
@@ -581,9 +582,13 @@ def test_the_second_call_of_an_op_does_no_verification_work(emulated_tier, monke
     """Routes are cached: once an op's first call verified its families (or read their verdicts),
     its later calls do not look at verification at all."""
     calls: dict[str, int] = {}
-    for name in ("failure", "verdict", "run_family", "_read_cache", "_cached", "cache_key", "machine"):
-        real = getattr(verification, name)
-        monkeypatch.setattr(verification, name,
+    # (each where it is looked up: routing asks the package for `failure`, the package's `run_family` is
+    # looked up at each run, the rest are the names first_use and the cache call)
+    for module, name in ((verification, "failure"), (first_use, "verdict"), (verification, "run_family"),
+                         (cache, "_read_cache"), (first_use, "_cached"), (first_use, "cache_key"),
+                         (first_use, "machine"), (machine_key, "machine")):  # fmt: skip
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
                             lambda *a, _real=real, _name=name, **k: calls.__setitem__(_name, calls.get(_name, 0) + 1)
                             or _real(*a, **k))  # fmt: skip
     args = first_case("int8_vectorwise_quant")

@@ -1,0 +1,52 @@
+"""First-use verification: every kernel family proves itself on this machine's GPU before it serves.
+
+bnb-mps compiles its kernels at run time, with the user's Metal compiler, for the user's GPU: a
+combination the project has not run. So when a kernel tier first serves an op of a family in a
+process, the family runs once on small fixed inputs (`FAMILIES`), on that tier, and its results
+are compared on the CPU, after one synchronisation, with the CPU round trip of the same ops
+(bitsandbytes' CPU implementation and the project's compositions, as the `cpu` route runs them).
+A family that fails never serves: routing sends its ops to the next route, with the reason
+(`bnb_mps.ops.routing`). Verdicts are cached on disk per machine (`VerdictCache`).
+
+The cases keep to inputs where bitsandbytes' CPU code computes docs/semantics.md exactly, so
+that the comparison can be bit-exact where the page is exact: its 8-bit CPU quantizer is a
+lookup table that differs from the nearest-code rule next to decision points and among the
+smallest codes, so those cases take values that are code values away from both; its FP4
+quantizer uses exact midpoints, so FP4 values keep clear of every decision point; its pure-PyTorch
+NF4 quantizer stores 0x77 for an all-zero block, so there is none. Ties are placed where the rule
+is defined and shared (NF4 to the lower nibble, int8's round half to even). Float results
+(products, optimizer steps) are compared within tolerances derived from their magnitudes.
+
+Where docs/semantics.md defines results that bitsandbytes' CPU code does not compute (NaN,
+infinities, all-zero blocks, float32 subnormals, block maxima above 2^126: sections 2, 3 and 7), a
+case carries its expected result, computed here from the page (`_spec_quantize_blockwise`,
+`_spec_quantize_4bit`, `_spec_dequantize`), and is compared bit for bit, NaN as NaN.
+
+A launch the GPU tier refuses because the kernel's pipeline allows fewer threads per threadgroup
+than the op launches (PipelineLimitError) skips that case: it is recorded in the verdict
+(`Verdict.skipped`) and is no failure, since the op itself then leaves the tier when a user's call
+meets the limit (`bnb_mps.ops.routing.refuse`). A family whose verification could not run at all
+(no C++ compiler for the emulated tier, a CPU reference that raised) fails in this process only:
+that verdict is never cached.
+
+    BNB_MPS_VERIFY=1       verify at first use, reading and writing the cache (the default)
+    BNB_MPS_VERIFY=always  verify at first use in every process (ignore the cache)
+    BNB_MPS_VERIFY=0       never verify (at the user's risk)
+    BNB_MPS_VERIFY_CACHE   the cache file (default $BNB_MPS_CACHE_DIR/verify.json, else
+                           ~/.cache/bnb_mps/verify.json)
+"""
+
+from __future__ import annotations
+
+from .cache import CACHE_ENV_VAR, cache_path
+from .cases import DTYPES, Case, Family, Unaligned
+from .compare import close, exact
+from .families import FAMILIES, families_of
+from .first_use import ENV_VAR, MODES, failure, mode, reset, verdict
+from .machine_key import cache_key, machine, math_mode
+from .runner import run_family
+from .verdicts import VerificationWarning, Verdict
+
+__all__ = ["CACHE_ENV_VAR", "DTYPES", "ENV_VAR", "FAMILIES", "MODES", "Case", "Family", "Unaligned",
+           "VerificationWarning", "Verdict", "cache_key", "cache_path", "close", "exact", "failure", "families_of",
+           "machine", "math_mode", "mode", "reset", "run_family", "verdict"]
