@@ -20,10 +20,18 @@ from typing import Any, Protocol, Union
 import torch
 
 from ..kernel_args import Scalar
-from ._gpu_common import first_lines
 
 KernelArg = Union[torch.Tensor, Scalar]
 Dim3 = tuple[int, int, int]
+
+
+def first_lines(text: object, n: int = 20) -> str:
+    """The first `n` lines of an error message (compiler logs can be very long)."""
+    lines = str(text).strip().splitlines()
+    if len(lines) <= n:
+        return "\n".join(lines)
+    return "\n".join(lines[:n] + [f"... ({len(lines) - n} more lines)"])
+
 
 
 class Executor(Protocol):

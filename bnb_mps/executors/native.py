@@ -46,8 +46,8 @@ from typing import Optional
 import torch
 
 from ..msl import source as kernel_source
-from ._gpu_common import check_geometry, check_simd_width, first_lines, mps_unavailable_reason
-from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg
+from ._gpu_common import check_geometry, check_simd_width, mps_unavailable_reason
+from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, first_lines
 
 BUILD_HINT = (
     "on an Apple Silicon Mac, from the bnb-mps source checkout with torch installed, run "
