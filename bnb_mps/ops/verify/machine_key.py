@@ -10,7 +10,8 @@ import torch
 
 def machine() -> dict[str, str]:
     """What a verdict holds for: GPU (the Apple chip on a Mac), OS, torch, bitsandbytes, bnb-mps."""
-    from ... import __version__, chips
+    from ... import chips
+    from ..._version import __version__
 
     chip = chips.detect()
     mac = platform.mac_ver()[0]
