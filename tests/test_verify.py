@@ -561,12 +561,12 @@ def test_kernel_source_that_does_not_compile_is_a_failure_of_the_kernels(monkeyp
         build.find_compiler()
     except emulator.CompileError:
         pytest.skip("no C++ compiler here")
-    assert not runner._cannot_run(error)
+    assert not runner.cannot_run(error)
     monkeypatch.setattr(build, "find_compiler", lambda compiler=None: (_ for _ in ()).throw(
         emulator.CompileError("no C++ compiler found (tried c++, g++, clang++); set BNB_MPS_EMU_CXX")))  # fmt: skip
-    assert runner._cannot_run(error)
-    assert not runner._cannot_run(emulator.OutOfBounds("out-of-bounds write"))
-    assert not runner._cannot_run(RuntimeError("a GPU tier's error"))
+    assert runner.cannot_run(error)
+    assert not runner.cannot_run(emulator.OutOfBounds("out-of-bounds write"))
+    assert not runner.cannot_run(RuntimeError("a GPU tier's error"))
 
 
 def test_verify_0_skips_verification(emulated_tier, planted_kernels, monkeypatch):

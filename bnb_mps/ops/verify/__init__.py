@@ -19,8 +19,8 @@ is defined and shared (NF4 to the lower nibble, int8's round half to even). Floa
 
 Where docs/semantics.md defines results that bitsandbytes' CPU code does not compute (NaN,
 infinities, all-zero blocks, float32 subnormals, block maxima above 2^126: sections 2, 3 and 7), a
-case carries its expected result, computed here from the page (`_spec_quantize_blockwise`,
-`_spec_quantize_4bit`, `_spec_dequantize`), and is compared bit for bit, NaN as NaN.
+case carries its expected result, computed here from the page (`spec_quantize_blockwise`,
+`spec_quantize_4bit`, `spec_dequantize`), and is compared bit for bit, NaN as NaN.
 
 A launch the GPU tier refuses because the kernel's pipeline allows fewer threads per threadgroup
 than the op launches (PipelineLimitError) skips that case: it is recorded in the verdict

@@ -33,20 +33,20 @@ class Family:
     cases: Callable[[], Iterator[Case]]
 
 
-def _gen(seed: int) -> torch.Generator:
+def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _signed_code() -> torch.Tensor:
+def signed_code() -> torch.Tensor:
     from bitsandbytes.functional import create_dynamic_map
 
     return create_dynamic_map(signed=True)
 
 
-def _unsigned_code() -> torch.Tensor:
+def unsigned_code() -> torch.Tensor:
     from bitsandbytes.functional import create_dynamic_map
 
     return create_dynamic_map(signed=False)

@@ -6,15 +6,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .cases import DTYPES, Case, _gen
-from .compare import _eps, _same, _same_arg, close, exact
-from .spec import _F32_MIN_NORMAL
+from .cases import DTYPES, Case, gen
+from .compare import eps, same, same_arg, close, exact
+from .spec import F32_MIN_NORMAL
 
 
 def _int8_activations(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """N(0, 1.5^2) values with outlier columns (|x| >= 6), a row of exact rounding ties (row max
     127, so that x * 127 / max = x: halves round to even) and a zero row."""
-    g = _gen(seed)
+    g = gen(seed)
     x = torch.randn(M, K, generator=g) * 1.5
     x[:, 1] = 7.0
     x[:, K - 2] = -9.5
@@ -32,22 +32,22 @@ def _int8_dequant_compare() -> Callable:
     def compare(got, want, got_args, want_args):
         bias = want_args[4] if len(want_args) > 4 and isinstance(want_args[4], torch.Tensor) else None
         mag = want.double().abs() + (bias.double().abs() if bias is not None else 0.0)
-        return close(got, want, (4e-5 + 8 * 2.0**-24 + _eps(want.dtype)) * mag + 1e-30)
+        return close(got, want, (4e-5 + 8 * 2.0**-24 + eps(want.dtype)) * mag + 1e-30)
 
     return compare
 
 
-def _int8_quant_cases() -> Iterator[Case]:
+def int8_quant_cases() -> Iterator[Case]:
     for i, dtype in enumerate(DTYPES):
         A = _int8_activations(8, 72 + 8 * i, dtype, seed=500 + i)
         for threshold in (0.0, 6.0):
             tag = f"{tuple(A.shape)} {dtype} threshold={threshold}"
-            yield Case(f"int8_vectorwise_quant {tag}", "int8_vectorwise_quant", (A, threshold), _same)
-            yield Case(f"int8_double_quant {tag}", "int8_double_quant", (A, threshold), _same)
+            yield Case(f"int8_vectorwise_quant {tag}", "int8_vectorwise_quant", (A, threshold), same)
+            yield Case(f"int8_double_quant {tag}", "int8_double_quant", (A, threshold), same)
     CA, stats, _ = torch.ops.bitsandbytes.int8_vectorwise_quant.default(_int8_activations(6, 40, torch.float16, 510),
                                                                          0.0)  # fmt: skip
     yield Case("int8_vectorwise_dequant (6, 40)", "int8_vectorwise_dequant", (CA, stats), _int8_dequant_compare())
-    g = _gen(520)
+    g = gen(520)
     acc = torch.randint(-200000, 200000, (6, 24), generator=g, dtype=torch.int32)
     row, col = torch.rand(6, generator=g) * 10, torch.rand(24, generator=g) * 3
     for dtype, bias_dtype in ((torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
@@ -64,7 +64,7 @@ def _int8_quant_cases() -> Iterator[Case]:
         A[4] = torch.tensor([2.0**-130, -(2.0**-127) * 1.5, 2.0**-128, -(2.0**-133)] * 10)
         A[5, ::3] = 2.0**-129
         A = A.to(dtype)
-        yield Case(f"{op} {tuple(A.shape)} {dtype} threshold={threshold} subnormals", op, (A, threshold), _same,
+        yield Case(f"{op} {tuple(A.shape)} {dtype} threshold={threshold} subnormals", op, (A, threshold), same,
                    expected=lambda args, op=op: cpu_round_trip_call(op, [_flushed(args[0]), args[1]]))  # fmt: skip
 
 
@@ -85,7 +85,7 @@ def _flushed(t: torch.Tensor) -> torch.Tensor:
     """t with its float32 and bfloat16 subnormals zeroed (their sign kept)."""
     if t.dtype == torch.float16:
         return t.clone()
-    tiny = (t.float().abs() < _F32_MIN_NORMAL) & (t != 0)
+    tiny = (t.float().abs() < F32_MIN_NORMAL) & (t != 0)
     return torch.where(tiny, t * 0, t)
 
 
@@ -95,21 +95,21 @@ def cpu_round_trip_call(op: str, args: list):
     return cpu_call(op, args)
 
 
-def _int8_product_cases() -> Iterator[Case]:
+def int8_product_cases() -> Iterator[Case]:
     # The exact int32 product on every kernel path (bnb_mps.ops.int8.matmul_path: gemv1, gemv4,
     # tile32, tile64, each with 16-byte loads when K % 16 == 0 and without otherwise). The rows of
     # +-127 reach a float32 sum beyond 2^24 (no longer exact) where K > 1040: 127 * 127 * 1088 =
     # 17,548,352; the kernels keep their float partial sums below that (the gemv paths with and
     # without 16-byte loads, and the tiled paths, which share that code, at M = 12).
-    g = _gen(600)
+    g = gen(600)
     for M, K, ops_ in ((1, 1088, "fo"), (5, 1088, "fo"), (33, 96, "f"), (12, 1088, "o"), (1, 1090, "f"),
                        (5, 100, "o"), (12, 100, "f"), (33, 40, "f")):  # fmt: skip
         A, B = _int8_codes(M, K, g)
         if "f" in ops_:
-            yield Case(f"int8_linear_matmul {M}x24x{K}", "int8_linear_matmul", (A, B), _same)
+            yield Case(f"int8_linear_matmul {M}x24x{K}", "int8_linear_matmul", (A, B), same)
         if "o" in ops_:
             yield Case(f"int8_linear_matmul.out {M}x24x{K}", "int8_linear_matmul.out",
-                       (A, B, torch.full((M, 24), -1, dtype=torch.int32)), _same_arg(2))  # fmt: skip
+                       (A, B, torch.full((M, 24), -1, dtype=torch.int32)), same_arg(2))  # fmt: skip
     # The dequantizing products: every output dtype, a bias of the output dtype and a float32 one
     # (the _f32bias kernels), every path with and without 16-byte loads between them.
     X = _int8_activations(40, 64, torch.float16, seed=610)
@@ -149,6 +149,6 @@ def _mixed_compare(X, CB, SCB, cols) -> Callable:
         # The outlier product (in A's dtype) on top of the int8 one: a rounding of each of its terms.
         Wout = CB[:, cols].double() * SCB.double()[:, None] / 127
         mag = want[0].double().abs() + X[:, cols].double().abs() @ Wout.abs().T
-        return close(got[0], want[0], 8 * _eps(X.dtype) * mag + 1e-30, "out")
+        return close(got[0], want[0], 8 * eps(X.dtype) * mag + 1e-30, "out")
 
     return compare

@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from .cases import Case, Unaligned, _gen
-from .compare import _eps, close
-from .spec import _NF4, _fp4_table
+from .cases import Case, Unaligned, gen
+from .compare import eps, close
+from .spec import NF4, fp4_table
 
 
 def _matmul_tolerance(A: torch.Tensor, W: torch.Tensor, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
@@ -20,8 +20,8 @@ def _matmul_tolerance(A: torch.Tensor, W: torch.Tensor, out_dtype: torch.dtype, 
     mag = A.double().abs() @ W.double().abs().T
     if bias is not None:
         mag = mag + bias.double().abs()
-    wround = _eps(A.dtype) if A.dtype != torch.float32 else 0.0
-    return (wround + 64 * 2.0**-24) * mag + 2 * _eps(out_dtype) * mag + 1e-30
+    wround = eps(A.dtype) if A.dtype != torch.float32 else 0.0
+    return (wround + 64 * 2.0**-24) * mag + 2 * eps(out_dtype) * mag + 1e-30
 
 
 def _matmul_compare(A, W, bias, index: Optional[int] = None) -> Callable:
@@ -34,7 +34,7 @@ def _matmul_compare(A, W, bias, index: Optional[int] = None) -> Callable:
     return compare
 
 
-def _matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
+def matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
     """Products of one kernel path: every activation dtype with plain and nested block scales, NF4
     and FP4, with and without bias; A aligned (vector loads) and not (`Unaligned`: its start, and
     for M > 1 its row starts, off the 16-byte grid, which the kernels read with scalar loads)."""
@@ -44,7 +44,7 @@ def _matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
                (torch.float32, "nf4", 128, True, False, False), (torch.float16, "fp4", 256, False, False, True),
                (torch.bfloat16, "nf4", 64, True, True, True), (torch.float32, "fp4", 128, False, True, True)]  # fmt: skip
     for i, (dtype, qt, blocksize, nested, with_bias, unaligned) in enumerate(configs):
-        g = _gen(seed + i)
+        g = gen(seed + i)
         W = torch.randn(N, K, generator=g).to(dtype)
         A = torch.randn(M, K, generator=g).to(dtype)
         bias = (torch.randn(N, generator=g) * 4).to(dtype) if with_bias else None
@@ -60,7 +60,7 @@ def _matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
             args = (a, packed, [N, K], state.absmax, blocksize, qt, bias, None, None, None)
         yield Case(f"gemm_4bit {tag}{' bias' if with_bias else ''}", "gemm_4bit", args, _matmul_compare(A, Wq, bias))
         if not nested and (i == 1 or unaligned and dtype == torch.float16):
-            table = torch.tensor(_NF4) if qt == "nf4" else _fp4_table()
+            table = torch.tensor(NF4) if qt == "nf4" else fp4_table()
             gargs = (a, packed, [N, K], state.absmax, table.float(), blocksize)
             yield Case(f"gemv_4bit {tag}", "gemv_4bit", gargs, _matmul_compare(A, Wq, None))
             if not unaligned:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .cases import Case, _gen, _signed_code, _unsigned_code
+from .cases import Case, gen, signed_code, unsigned_code
 from .compare import close
 
 
@@ -92,11 +92,11 @@ _OPT32 = [("adam", torch.float16, 0.0, 0.0), ("lamb", torch.float32, 0.0, 1e4), 
 _TWO_STATE = ("adam", "lamb", "ademamix")
 
 
-def _optimizer_8bit_cases() -> Iterator[Case]:
-    code, ucode = _signed_code(), _unsigned_code()
+def optimizer_8bit_cases() -> Iterator[Case]:
+    code, ucode = signed_code(), unsigned_code()
     n = 700  # two full 256-blocks and a partial one
     for i, (name, dtype, wd) in enumerate(_OPT8):
-        g = _gen(700 + i)
+        g = gen(700 + i)
         p = (torch.randn(n, generator=g) * 0.1).to(dtype)
         grad = (torch.randn(n, generator=g) * 0.01).to(dtype)
         m = torch.randn(2 if name == "ademamix" else 1, n, generator=g) * 0.01
@@ -115,10 +115,10 @@ def _optimizer_8bit_cases() -> Iterator[Case]:
                    _optimizer_8bit_compare(p.clone()))  # fmt: skip
 
 
-def _optimizer_32bit_cases() -> Iterator[Case]:
+def optimizer_32bit_cases() -> Iterator[Case]:
     n = 1100
     for i, (name, dtype, wd, max_unorm) in enumerate(_OPT32):
-        g = _gen(800 + i)
+        g = gen(800 + i)
         p = (torch.randn(n, generator=g) * 0.1).to(dtype)
         grad = (torch.randn(n, generator=g) * 0.01).to(dtype)
         s1 = torch.randn(*((2, n) if name == "ademamix" else (n,)), generator=g) * 0.01

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import torch
 
-from .cases import DTYPES, Case, _gen, _signed_code
-from .compare import _arg_as_expected, _same, _same_arg
-from .spec import _FP4_MAGNITUDES, _NF4, _dequantize_4bit_expected
+from .cases import DTYPES, Case, gen, signed_code
+from .compare import arg_as_expected, same, same_arg
+from .spec import FP4_MAGNITUDES, NF4, dequantize_4bit_expected
 
 
 # Block scales 2^e that keep every scaled value of magnitude 2^-9 .. 1 normal in the dtype (so
@@ -30,7 +30,7 @@ def _scaled_blocks(values: torch.Tensor, blocksize: int, dtype: torch.dtype, see
     so that every scaled value is exactly `values`' (the reciprocal of a power of two is exact) and
     the block's maximum is that one element."""
     n = values.numel()
-    g = _gen(seed)
+    g = gen(seed)
     blocks = -(-n // blocksize)
     lo, hi = _EXPONENTS[dtype]
     exps = torch.randint(lo, hi, (blocks,), generator=g).double()
@@ -56,8 +56,8 @@ def _clear_of(values: torch.Tensor, points: torch.Tensor, dtype: torch.dtype, ga
     return v[:n]
 
 
-def _blockwise_8bit_cases() -> Iterator[Case]:
-    code = _signed_code()
+def blockwise_8bit_cases() -> Iterator[Case]:
+    code = signed_code()
     points = (code[:-1] + code[1:]) / 2  # the decision points (fl32 sum, exact halving)
     # (dtype, blocksize, n, whether to dequantize too): every dtype, blocksizes up to 256 (one
     # simdgroup a block) and above (simdgroups that meet in threadgroup memory), partial last blocks.
@@ -66,7 +66,7 @@ def _blockwise_8bit_cases() -> Iterator[Case]:
               (torch.float16, 512, 3 * 512 + 99, False), (torch.bfloat16, 1024, 2 * 1024 + 300, False),
               (torch.float32, 2048, 2048 + 1500, False)]  # fmt: skip
     for i, (dtype, blocksize, n, dequantize) in enumerate(shapes):
-        g = _gen(100 + i)
+        g = gen(100 + i)
         # Code values and random values, clear of the decision points and of the smallest codes,
         # where the CPU's lookup table departs from the nearest code.
         pool = torch.cat([code[torch.randint(0, 256, (2 * n + 64,), generator=g)].double(),
@@ -76,28 +76,28 @@ def _blockwise_8bit_cases() -> Iterator[Case]:
         # the block max; the mps suite checks NaN against docs/semantics.md instead.)
         A = _scaled_blocks(_clear_of(pool, points, dtype, 1e-4, n), blocksize, dtype, seed=200 + i)
         tag = f"{dtype} blocksize={blocksize} n={n}"
-        yield Case(f"quantize_blockwise {tag}", "quantize_blockwise", (A, code, blocksize), _same)
+        yield Case(f"quantize_blockwise {tag}", "quantize_blockwise", (A, code, blocksize), same)
         if not dequantize:
             continue
         q, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(A.float(), code, blocksize)
         for out_dtype in DTYPES:
             yield Case(f"dequantize_blockwise {tag} -> {out_dtype}", "dequantize_blockwise",
-                       (q, absmax, code, blocksize, out_dtype), _same)  # fmt: skip
+                       (q, absmax, code, blocksize, out_dtype), same)  # fmt: skip
         out = torch.full((n,), 7.0, dtype=dtype)
         yield Case(f"dequantize_blockwise.out {tag}", "dequantize_blockwise.out", (q, absmax, code, blocksize, dtype, out),
-                   _same_arg(5))  # fmt: skip
+                   same_arg(5))  # fmt: skip
 
 
 def _fourbit_values(quant_type: str, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Scaled values for the 4-bit quantizers: every table value and random values, all clear of
     every decision point (bitsandbytes' CPU path, its pure-PyTorch kernel, compares with its own
     midpoints), and for float32 NF4's exact ties as well (to the lower nibble in both)."""
-    g = _gen(seed)
+    g = gen(seed)
     if quant_type == "nf4":
-        table = torch.tensor(_NF4, dtype=torch.float32)
+        table = torch.tensor(NF4, dtype=torch.float32)
         points = (table[:-1] + table[1:]) / 2  # float32 midpoints: the decision points
     else:
-        mags = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32)
+        mags = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32)
         table = torch.cat([mags, -mags[1:]])
         tree = torch.tensor([0.29166667, 0.583333, 0.8333333, 0.4166667, 0.0859375, 0.20833333, 0.00260417])
         sm = mags.sort().values
@@ -111,9 +111,9 @@ def _fourbit_values(quant_type: str, n: int, dtype: torch.dtype, seed: int) -> t
     return values
 
 
-def _fourbit_cases() -> Iterator[Case]:
+def fourbit_cases() -> Iterator[Case]:
     # (dtype, blocksize, quant type, shape, whether to dequantize too); blocksizes above 256 as in
-    # _blockwise_8bit_cases.
+    # blockwise_8bit_cases.
     shapes = [(torch.float16, 64, "nf4", (6, 128), True), (torch.bfloat16, 32, "fp4", (4, 96), True),
               (torch.float32, 256, "nf4", (2, 512), True), (torch.float32, 64, "fp4", (3, 64), True),
               (torch.float16, 128, "fp4", (1, 515), True), (torch.bfloat16, 512, "nf4", (3, 400), False),
@@ -122,19 +122,19 @@ def _fourbit_cases() -> Iterator[Case]:
         n = math.prod(shape)
         A = _scaled_blocks(_fourbit_values(qt, n, dtype, seed=300 + i), blocksize, dtype, seed=400 + i).reshape(shape)
         tag = f"{qt} {dtype} blocksize={blocksize} {list(shape)}"
-        yield Case(f"quantize_4bit {tag}", "quantize_4bit", (A, blocksize, qt, torch.uint8), _same)
+        yield Case(f"quantize_4bit {tag}", "quantize_4bit", (A, blocksize, qt, torch.uint8), same)
         if not dequantize:
             continue
         packed, absmax = torch.ops.bitsandbytes.quantize_4bit.default(A.float(), blocksize, qt, torch.uint8)
         # An odd element count takes bitsandbytes' CPU dequantizer to its torch.compile'd path (seconds
         # to compile, once a process): the result docs/semantics.md defines is computed here instead.
-        expected = None if n % 2 == 0 else _dequantize_4bit_expected(packed, absmax, blocksize, qt, shape)
+        expected = None if n % 2 == 0 else dequantize_4bit_expected(packed, absmax, blocksize, qt, shape)
         for out_dtype in DTYPES:
             yield Case(f"dequantize_4bit {tag} -> {out_dtype}", "dequantize_4bit",
-                       (packed, absmax, blocksize, qt, list(shape), out_dtype), _same,
+                       (packed, absmax, blocksize, qt, list(shape), out_dtype), same,
                        expected=expected and (lambda args: expected(args[5])))  # fmt: skip
         out = torch.full(shape, 3.0, dtype=dtype)
         yield Case(f"dequantize_4bit.out {tag}", "dequantize_4bit.out",
                    (packed, absmax, blocksize, qt, list(shape), dtype, out),
-                   _same_arg(6) if expected is None else _arg_as_expected(6),
+                   same_arg(6) if expected is None else arg_as_expected(6),
                    expected=expected and (lambda args: expected(args[5])))  # fmt: skip

@@ -57,22 +57,22 @@ def close(got: torch.Tensor, want: torch.Tensor, allowed: torch.Tensor | float, 
     return None
 
 
-def _eps(dtype: torch.dtype) -> float:
+def eps(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps)
 
 
-def _same(got, want, got_args, want_args) -> Optional[str]:
+def same(got, want, got_args, want_args) -> Optional[str]:
     return exact(got, want)
 
 
-def _same_arg(index: int) -> Callable:
+def same_arg(index: int) -> Callable:
     def compare(got, want, got_args, want_args):
         return exact(got_args[index], want_args[index], f"argument {index} after the call")
 
     return compare
 
 
-def _arg_as_expected(index: int) -> Callable:
+def arg_as_expected(index: int) -> Callable:
     """Compares argument `index` after the call with the expected result."""
 
     def compare(got, want, got_args, want_args):

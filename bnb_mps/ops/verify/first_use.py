@@ -12,7 +12,7 @@ from typing import Optional
 from .cache import _cached, _read_memo, _write_cache
 from .families import FAMILIES, families_of
 from .machine_key import cache_key, machine
-from .runner import _first_line
+from .runner import first_line
 from .verdicts import VerificationWarning, Verdict
 
 logger = logging.getLogger("bnb_mps")
@@ -44,7 +44,7 @@ def verdict(family: str, tier: str, executor, *, refresh: bool = False) -> Verdi
         key = cache_key(tier, source.source_hash(), executor)
     except Exception as e:  # no kernel source to hash, no machine to name: the kernels cannot run either
         return Verdict(family, False, 0.0, "(before the first case)", f"cannot key the verification: "
-                       f"{_first_line(e)}", could_not_run=True)  # fmt: skip
+                       f"{first_line(e)}", could_not_run=True)  # fmt: skip
     memo = (tier, id(executor), key, family)
     with _lock:
         found = None if refresh else _verdicts.get(memo)

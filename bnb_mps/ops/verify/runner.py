@@ -44,7 +44,7 @@ def _synchronize(device: str) -> None:
         module.synchronize()
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
@@ -81,7 +81,7 @@ class _Counting:
         self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
 
-def _cannot_run(e: BaseException) -> bool:
+def cannot_run(e: BaseException) -> bool:
     """Whether a launch error says the tier cannot run kernels here at all (no C++ compiler for the
     emulator, the emulator runtime or the tier missing, out of memory), as opposed to a fault of
     the kernels (an emulator fault, kernel source that does not compile, a GPU tier's error), which
@@ -133,12 +133,12 @@ def run_family(family: Family, executor, device: str) -> Verdict:
                 if isinstance(e.error, PipelineLimitError):  # the op leaves the tier when a user's call meets it
                     skipped.append(f"{case.label}: {e.error}")
                     continue
-                return verdict(False, _first_line(e.error), could_not_run=_cannot_run(e.error))
+                return verdict(False, first_line(e.error), could_not_run=cannot_run(e.error))
         label = None
         try:
             _synchronize(device)
         except Exception as e:  # (an error of the device, not of one case: verified again next time)
-            return verdict(False, f"synchronising after the launches: {_first_line(e)}", could_not_run=True)
+            return verdict(False, f"synchronising after the launches: {first_line(e)}", could_not_run=True)
         for case, got, bound in pending:
             label = case.label
             want_args = [_plain(a) for a in case.args]
@@ -149,5 +149,5 @@ def run_family(family: Family, executor, device: str) -> Verdict:
                     error = error.replace("the CPU gives", "docs/semantics.md gives")
                 return verdict(False, error)
     except Exception as e:  # the verification itself could not run (its inputs, the CPU reference)
-        return verdict(False, _first_line(e), could_not_run=True)
+        return verdict(False, first_line(e), could_not_run=True)
     return verdict(True)

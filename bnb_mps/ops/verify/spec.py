@@ -14,21 +14,21 @@ from fractions import Fraction
 import torch
 
 
-_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
         -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
         0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
         1.0)  # fmt: skip
-_FP4_MAGNITUDES = (0.0, 0.0625 / 12, 8 / 12, 12 / 12, 4 / 12, 6 / 12, 2 / 12, 3 / 12)
+FP4_MAGNITUDES = (0.0, 0.0625 / 12, 8 / 12, 12 / 12, 4 / 12, 6 / 12, 2 / 12, 3 / 12)
 
 
-def _dequantize_4bit_expected(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
+def dequantize_4bit_expected(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
                               shape) -> Callable[[torch.dtype], torch.Tensor]:  # fmt: skip
     """dtype -> docs/semantics.md section 3's dequantized values of `packed` (absmax normal floats)."""
     n = math.prod(shape)
-    table = (torch.tensor(_NF4) if quant_type == "nf4" else _fp4_table()).double().tolist()
+    table = (torch.tensor(NF4) if quant_type == "nf4" else fp4_table()).double().tolist()
     nibbles = [b >> 4 if j % 2 == 0 else b & 15 for j, b in enumerate(packed.reshape(-1).repeat_interleave(2).tolist())]
     values = [table[c] for c in nibbles[:n]]
-    return lambda dtype: _spec_dequantize(values, absmax, blocksize, dtype, tuple(shape))
+    return lambda dtype: spec_dequantize(values, absmax, blocksize, dtype, tuple(shape))
 
 
 # -- special values: the results docs/semantics.md defines where bitsandbytes' CPU code departs --------------
@@ -42,11 +42,11 @@ def _dequantize_4bit_expected(packed: torch.Tensor, absmax: torch.Tensor, blocks
 # Inputs keep to what an IEEE and an Apple GPU agree on: no negative subnormal in an FP4 block (its
 # sign bit is the one place the two differ), no dequantized value below 2^-126.
 
-_F32_MAX = float(torch.finfo(torch.float32).max)
-_F32_MIN_NORMAL = 2.0**-126
+F32_MAX = float(torch.finfo(torch.float32).max)
+F32_MIN_NORMAL = 2.0**-126
 
 
-def _f32(v: Fraction) -> float:
+def f32(v: Fraction) -> float:
     """v rounded to float32 (ties to even; subnormals kept, overflow to inf), as a Python float.
     A zero result has v's sign."""
     if v == 0:
@@ -58,25 +58,25 @@ def _f32(v: Fraction) -> float:
     q = max(e - 23, -149)  # the spacing of float32 values at a: 2^q
     units = round(a / Fraction(2) ** q)  # (round half to even)
     r = math.ldexp(units, q)
-    r = math.inf if r > _F32_MAX else r
+    r = math.inf if r > F32_MAX else r
     return -r if v < 0 else r
 
 
-def _round32(d: float) -> float:
+def round32(d: float) -> float:
     """The Python float d (a correctly rounded double) rounded to float32: by the C conversion where
     the result is a normal float32 (no flush-to-zero setting applies there), else exactly. (Rounding
     the double of an exact product, quotient or sum of two float32 values to float32 gives the
     correctly rounded float32 result: 53 >= 2 * 24 + 2.)"""
-    if _F32_MIN_NORMAL <= abs(d) <= _F32_MAX:
+    if F32_MIN_NORMAL <= abs(d) <= F32_MAX:
         return struct.unpack("<f", struct.pack("<f", d))[0]
     if d != d or d == 0.0 or math.isinf(d):
         return d
-    return _f32(Fraction(d))
+    return f32(Fraction(d))
 
 
-def _mul32(x: float, y: float) -> float:
+def mul32(x: float, y: float) -> float:
     """fl32(x * y) of two float32 values (IEEE: subnormal results kept), NaN and infinities as IEEE."""
-    return _round32(x * y)  # (the double product of two float32 values is exact)
+    return round32(x * y)  # (the double product of two float32 values is exact)
 
 
 def _floats(t: torch.Tensor) -> list[float]:
@@ -85,7 +85,7 @@ def _floats(t: torch.Tensor) -> list[float]:
     xs = t.reshape(-1).double().tolist()
     if t.dtype == torch.float16:
         return xs
-    return [math.copysign(0.0, x) if 0.0 < abs(x) < _F32_MIN_NORMAL else x for x in xs]
+    return [math.copysign(0.0, x) if 0.0 < abs(x) < F32_MIN_NORMAL else x for x in xs]
 
 
 def _block_scales(xs: list[float], blocksize: int) -> tuple[list[float], list[float]]:
@@ -94,11 +94,11 @@ def _block_scales(xs: list[float], blocksize: int) -> tuple[list[float], list[fl
     for b in range(0, len(xs), blocksize):
         m = max((abs(x) for x in xs[b : b + blocksize] if x == x), default=0.0)
         absmax.append(m)
-        recip.append(math.inf if m == 0.0 else 0.0 if math.isinf(m) else _round32(1.0 / m))
+        recip.append(math.inf if m == 0.0 else 0.0 if math.isinf(m) else round32(1.0 / m))
     return absmax, recip
 
 
-def _thresholds(table: torch.Tensor) -> list[float]:
+def thresholds(table: torch.Tensor) -> list[float]:
     """t_k = fl32(table[k] + table[k+1]) / 2 (float32 sums of normal values: exact on any CPU)."""
     t = table.float()
     return ((t[:-1] + t[1:]) * 0.5).double().tolist()
@@ -111,13 +111,13 @@ def _index_8bit(s: float, t: list[float]) -> int:
     return q + 1 if q < len(t) and t[q] == s and q % 2 == 1 else q
 
 
-_FP4_TREE = torch.tensor([0.29166667, 0.583333, 0.8333333, 0.4166667, 0.0859375, 0.20833333, 0.00260417],
+FP4_TREE = torch.tensor([0.29166667, 0.583333, 0.8333333, 0.4166667, 0.0859375, 0.20833333, 0.00260417],
                          dtype=torch.float32).double().tolist()  # fmt: skip
 
 
 @functools.cache
 def _nf4_thresholds() -> tuple[float, ...]:
-    return tuple(_thresholds(torch.tensor(_NF4)))
+    return tuple(thresholds(torch.tensor(NF4)))
 
 
 def _index_4bit(s: float, quant_type: str) -> int:
@@ -125,7 +125,7 @@ def _index_4bit(s: float, quant_type: str) -> int:
         return 0
     if quant_type == "nf4":
         return bisect.bisect_left(_nf4_thresholds(), s)
-    c = _FP4_TREE
+    c = FP4_TREE
     m = abs(s)
     if m > c[0]:
         code = (3 if m > c[2] else 2) if m > c[1] else (5 if m > c[3] else 4)
@@ -134,27 +134,27 @@ def _index_4bit(s: float, quant_type: str) -> int:
     return code | (8 if s < 0 else 0)
 
 
-def _spec_quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int):
+def spec_quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int):
     """docs/semantics.md section 2 (with section 7): (codes shaped like A, absmax)."""
     xs = _floats(A)
     absmax, recip = _block_scales(xs, blocksize)
-    t = _thresholds(code)
-    q = [_index_8bit(_mul32(x, recip[i // blocksize]), t) for i, x in enumerate(xs)]
+    t = thresholds(code)
+    q = [_index_8bit(mul32(x, recip[i // blocksize]), t) for i, x in enumerate(xs)]
     return (torch.tensor(q, dtype=torch.uint8).reshape(A.shape), torch.tensor(absmax, dtype=torch.float64).float())
 
 
-def _spec_quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str):
+def spec_quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str):
     """docs/semantics.md section 3 (with section 7): (packed uint8 [ceil(n / 2), 1], absmax)."""
     xs = _floats(A)
     absmax, recip = _block_scales(xs, blocksize)
-    nib = [_index_4bit(_mul32(x, recip[i // blocksize]), quant_type) for i, x in enumerate(xs)]
+    nib = [_index_4bit(mul32(x, recip[i // blocksize]), quant_type) for i, x in enumerate(xs)]
     if len(nib) % 2:  # the code of the value 0 in the last block
-        nib.append(_index_4bit(_mul32(0.0, recip[-1]), quant_type))
+        nib.append(_index_4bit(mul32(0.0, recip[-1]), quant_type))
     packed = [(hi << 4) | lo for hi, lo in zip(nib[0::2], nib[1::2])]
     return (torch.tensor(packed, dtype=torch.uint8).reshape(-1, 1), torch.tensor(absmax, dtype=torch.float64).float())
 
 
-def _spec_dequantize(values: list[float], absmax: torch.Tensor, blocksize: int, dtype: torch.dtype,
+def spec_dequantize(values: list[float], absmax: torch.Tensor, blocksize: int, dtype: torch.dtype,
                      shape) -> torch.Tensor:  # fmt: skip
     """out_i = T(fl32(values_i * absmax[i // blocksize])), a float32 product below 2^-126 zero
     (section 7). (The conversion to T is the CPU's: right where no float16 subnormal arises, which
@@ -162,8 +162,8 @@ def _spec_dequantize(values: list[float], absmax: torch.Tensor, blocksize: int, 
     scales = absmax.double().tolist()
     out = []
     for i, v in enumerate(values):
-        p = _mul32(v, scales[i // blocksize])
-        out.append(math.copysign(0.0, p) if abs(p) < _F32_MIN_NORMAL else p)
+        p = mul32(v, scales[i // blocksize])
+        out.append(math.copysign(0.0, p) if abs(p) < F32_MIN_NORMAL else p)
     return torch.tensor(out, dtype=torch.float64).float().to(dtype).reshape(shape)
 
 
@@ -174,29 +174,29 @@ def _f32_step(x: float, up: bool) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def _near(t: float, r: float, above: bool) -> float:
+def near(t: float, r: float, above: bool) -> float:
     """The float32 x whose scaled value fl32(x * r) lies just above decision point t (the smallest
     such x), or just below it (the largest): a wrong reciprocal r moves it to the other side."""
-    x = _f32(Fraction(t) / Fraction(r))
+    x = f32(Fraction(t) / Fraction(r))
     if above:
-        while _mul32(x, r) <= t:
+        while mul32(x, r) <= t:
             x = _f32_step(x, True)
-        while _mul32(_f32_step(x, False), r) > t:
+        while mul32(_f32_step(x, False), r) > t:
             x = _f32_step(x, False)
     else:
-        while _mul32(x, r) >= t:
+        while mul32(x, r) >= t:
             x = _f32_step(x, False)
-        while _mul32(_f32_step(x, True), r) < t:
+        while mul32(_f32_step(x, True), r) < t:
             x = _f32_step(x, True)
     return x
 
 
-def _recip_rounds_up(m: float) -> bool:
+def recip_rounds_up(m: float) -> bool:
     """Whether fl32(1 / m) is above 1 / m (m a float32 value above 2^126: the subnormal reciprocal)."""
-    return _f32(1 / Fraction(m)) > 1 / Fraction(m)
+    return f32(1 / Fraction(m)) > 1 / Fraction(m)
 
 
-def _fp4_table() -> torch.Tensor:
+def fp4_table() -> torch.Tensor:
     """FP4's 16 values as float32 (nibble 8 is -0.0)."""
-    mags = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32)
+    mags = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32)
     return torch.cat([mags, -mags])
