@@ -62,6 +62,12 @@ class Executor(Protocol):
     # The same launch as a function of its arguments, with what depends only on the kernel and the
     # geometry (their checks, the kernel's lookup, its pipeline limit) done once, here: the op layer
     # keeps it with a launch plan (bnb_mps.ops.plan) and calls it for every call the plan serves.
+    #
+    #   def watch_command_buffers(self) -> Optional[watch]   (the native tier)
+    #
+    # A watch of the GPU's command buffers, for first-use verification (bnb_mps.ops.verify): its
+    # `track()` after a launch watches the command buffer that holds it; after a synchronisation its
+    # `errors()` returns the error text of every watched buffer the device failed to run.
 
 
 class ExecutorUnavailable(RuntimeError):

@@ -1,16 +1,17 @@
-"""The on-disk verdicts: one JSON file of {cache key: {family: entry}} per machine and user."""
+"""The on-disk verdicts: one JSON file of {cache key: {family: entry}} per user and machine, kept
+with bnb_mps.json_cache (entries of several processes merged under a lock). Read once per process;
+a malformed file or entry counts as missing and is rewritten by the next verdict. Never raises: a
+cache that cannot be read or written means verifying again next time."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+from ... import json_cache
 from .verdicts import Verdict
 
 logger = logging.getLogger("bnb_mps")
@@ -20,68 +21,60 @@ CACHE_ENV_VAR = "BNB_MPS_VERIFY_CACHE"
 
 def cache_path() -> Path:
     """$BNB_MPS_VERIFY_CACHE, else $BNB_MPS_CACHE_DIR/verify.json, else ~/.cache/bnb_mps/verify.json."""
-    file = os.environ.get(CACHE_ENV_VAR)
-    if file:
-        return Path(file).expanduser()
-    root = os.environ.get("BNB_MPS_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "bnb_mps") / "verify.json"
+    return json_cache.cache_file("verify.json", CACHE_ENV_VAR)
 
 
-_read_memo: dict[Path, dict] = {}  # cache file -> its content, read once per process
+_memo: dict[Path, dict] = {}  # cache file -> its content, read once per process
 
 
-def _read_cache(fresh: bool = False) -> dict:
+def read(fresh: bool = False) -> dict:
     """The cache file's content, {key: {family: entry}}; what is not of that shape counts as missing."""
     path = cache_path()
-    if not fresh and path in _read_memo:
-        return _read_memo[path]
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except Exception:  # missing, unreadable, not JSON (any malformed content counts as missing)
-        data = {}
-    if not isinstance(data, dict):
-        data = {}
-    data = {k: v for k, v in data.items() if isinstance(v, dict)}
-    _read_memo[path] = data
-    return data
+    if fresh or path not in _memo:
+        _memo[path] = {k: v for k, v in json_cache.read(path).items() if isinstance(v, dict)}
+    return _memo[path]
 
 
-def _write_cache(key: str, verdicts: dict[str, Verdict]) -> None:
-    """Adds `verdicts` under `key` (atomically: a temporary file renamed into place). Never raises:
-    a cache that cannot be written means verifying again next time."""
+def cached(key: str, family: str) -> Optional[Verdict]:
+    """`family`'s verdict under `key` in the cache file, or None."""
+    entry = read().get(key)
+    return from_entry(family, entry.get(family)) if isinstance(entry, dict) else None
+
+
+def store(key: str, verdicts: dict[str, Verdict]) -> None:
+    """Adds `verdicts` under `key` to the file, keeping what other processes wrote there."""
     path = cache_path()
-    tmp = None
+
+    def add(data: dict) -> dict:
+        data = {k: v for k, v in data.items() if isinstance(v, dict)}
+        data[key] = {**data.get(key, {}), **{name: to_entry(v) for name, v in verdicts.items()}}
+        return data
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {k: dict(v) for k, v in _read_cache(fresh=True).items()}  # (another process may have added some)
-        entry = data.setdefault(key, {})
-        for name, v in verdicts.items():
-            entry[name] = {k: (list(val) if isinstance(val, tuple) else val) for k, val in asdict(v).items()
-                           if k not in ("cached", "could_not_run")}  # fmt: skip
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verify-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-        tmp = None
-        _read_memo[path] = data
-    except Exception as e:  # a read-only home, a full disk, a cache we cannot parse back
+        _memo[path] = json_cache.update(path, add)
+    except Exception as e:  # a read-only home, a full disk, a lock another process keeps
         logger.info("bnb_mps: cannot write the verification cache %s: %s", path, e)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
-# The type of each field of a cached entry (bool is not an int here).
+def forget() -> None:
+    """Read the file again at the next lookup."""
+    _memo.clear()
+
+
+# The type of each field of a cached entry (bool is not an int here); the optional fields and their defaults.
 _ENTRY_FIELDS = {"family": str, "passed": bool, "seconds": float, "case": (str, type(None)),
                  "error": (str, type(None)), "launches": int, "bytes": int}  # fmt: skip
+_OPTIONAL = {"skipped": [], "first_failure": None}
+_NOT_CACHED = ("cached", "could_not_run", "device_error")  # (a verdict that could not run is never stored)
 
 
-def _from_entry(family: str, entry: Any) -> Optional[Verdict]:
-    """The Verdict a cache entry holds, or None where it is not exactly of the shape _write_cache writes."""
-    if not isinstance(entry, dict) or set(entry) - set(_ENTRY_FIELDS) - {"skipped"}:
+def to_entry(v: Verdict) -> dict[str, Any]:
+    return {k: (list(val) if isinstance(val, tuple) else val) for k, val in asdict(v).items() if k not in _NOT_CACHED}
+
+
+def from_entry(family: str, entry: Any) -> Optional[Verdict]:
+    """The Verdict a cache entry holds, or None where it is not exactly of the shape `to_entry` writes."""
+    if not isinstance(entry, dict) or set(entry) - set(_ENTRY_FIELDS) - set(_OPTIONAL):
         return None
     for field_name, kind in _ENTRY_FIELDS.items():
         value = entry.get(field_name)
@@ -89,8 +82,10 @@ def _from_entry(family: str, entry: Any) -> Optional[Verdict]:
             value = float(value)
         if field_name not in entry or isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
             return None
-    skipped = entry.get("skipped", [])
+    skipped, first_failure = (entry.get(k, default) for k, default in _OPTIONAL.items())
     if entry["family"] != family or not isinstance(skipped, list) or not all(isinstance(x, str) for x in skipped):
+        return None
+    if not isinstance(first_failure, (str, type(None))):
         return None
     if entry["launches"] < 0 or entry["bytes"] < 0 or not math.isfinite(entry["seconds"]):
         return None
@@ -98,9 +93,4 @@ def _from_entry(family: str, entry: Any) -> Optional[Verdict]:
         return None
     fields = {k: entry[k] for k in _ENTRY_FIELDS}
     fields["seconds"] = float(fields["seconds"])
-    return Verdict(**fields, cached=True, skipped=tuple(skipped))
-
-
-def _cached(key: str, family: str) -> Optional[Verdict]:
-    entry = _read_cache().get(key)
-    return _from_entry(family, entry.get(family)) if isinstance(entry, dict) else None
+    return Verdict(**fields, cached=True, skipped=tuple(skipped), first_failure=first_failure)

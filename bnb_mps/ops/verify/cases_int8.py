@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from . import sentinel
 from .cases import DTYPES, Case, gen
 from .compare import eps, same, same_arg, close, exact
 from .spec import F32_MIN_NORMAL
@@ -109,7 +110,7 @@ def int8_product_cases() -> Iterator[Case]:
             yield Case(f"int8_linear_matmul {M}x24x{K}", "int8_linear_matmul", (A, B), same)
         if "o" in ops_:
             yield Case(f"int8_linear_matmul.out {M}x24x{K}", "int8_linear_matmul.out",
-                       (A, B, torch.full((M, 24), -1, dtype=torch.int32)), same_arg(2))  # fmt: skip
+                       (A, B, sentinel.filled((M, 24), torch.int32)), same_arg(2))  # fmt: skip
     # The dequantizing products: every output dtype, a bias of the output dtype and a float32 one
     # (the _f32bias kernels), every path with and without 16-byte loads between them.
     X = _int8_activations(40, 64, torch.float16, seed=610)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from . import sentinel
 from .cases import Case, Unaligned, gen
 from .compare import eps, close
 from .spec import NF4, fp4_table
@@ -64,6 +65,6 @@ def matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
             gargs = (a, packed, [N, K], state.absmax, table.float(), blocksize)
             yield Case(f"gemv_4bit {tag}", "gemv_4bit", gargs, _matmul_compare(A, Wq, None))
             if not unaligned:
-                out = torch.full((M, N), float("nan"), dtype=dtype)
+                out = sentinel.filled((M, N), dtype)
                 yield Case(f"gemv_4bit.out {tag}", "gemv_4bit.out", gargs + (out,),
                            _matmul_compare(A, Wq, None, index=6))  # fmt: skip

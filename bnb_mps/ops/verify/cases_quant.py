@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
+from . import sentinel
 from .cases import DTYPES, Case, gen, signed_code
 from .compare import arg_as_expected, same, same_arg
 from .spec import FP4_MAGNITUDES, NF4, dequantize_4bit_expected
@@ -83,7 +84,7 @@ def blockwise_8bit_cases() -> Iterator[Case]:
         for out_dtype in DTYPES:
             yield Case(f"dequantize_blockwise {tag} -> {out_dtype}", "dequantize_blockwise",
                        (q, absmax, code, blocksize, out_dtype), same)  # fmt: skip
-        out = torch.full((n,), 7.0, dtype=dtype)
+        out = sentinel.filled((n,), dtype)
         yield Case(f"dequantize_blockwise.out {tag}", "dequantize_blockwise.out", (q, absmax, code, blocksize, dtype, out),
                    same_arg(5))  # fmt: skip
 
@@ -133,7 +134,7 @@ def fourbit_cases() -> Iterator[Case]:
             yield Case(f"dequantize_4bit {tag} -> {out_dtype}", "dequantize_4bit",
                        (packed, absmax, blocksize, qt, list(shape), out_dtype), same,
                        expected=expected and (lambda args: expected(args[5])))  # fmt: skip
-        out = torch.full(shape, 3.0, dtype=dtype)
+        out = sentinel.filled(shape, dtype)
         yield Case(f"dequantize_4bit.out {tag}", "dequantize_4bit.out",
                    (packed, absmax, blocksize, qt, list(shape), dtype, out),
                    same_arg(6) if expected is None else arg_as_expected(6),

@@ -1,18 +1,34 @@
 """The process's verdicts: each family verified once per process and tier on first use (or read
-from the cache), and what routing asks of them (`failure`)."""
+from the cache), and what routing asks of them (`failure`).
+
+A family that does not pass runs a second time, after a synchronisation, in a fresh command buffer
+(where the first failure is one a second run may not repeat: `Verdict.worth_a_second_run`). A
+GPU fault (a watchdog timeout, a page fault, memory pressure) fails one run; a kernel bug fails
+both. So a family that passes its second run serves, its verdict recording the first run's failure;
+one that fails twice is cached as failed; one whose runs could not be judged (a device error) fails
+in this process only and is verified again in the next.
+
+The lock is reentrant, and a thread verifying a family skips verification for that family's own
+ops: a family whose kernels call an op (through the dispatcher, which asks routing, which asks
+`failure`) verifies that op's other families on the same thread, and cannot wait for itself. Routes
+computed while a family's verdict was still open are computed again once it is known.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import warnings
 from typing import Optional
 
-from .cache import _cached, _read_memo, _write_cache
+from . import cache
+from .cases import Family
 from .families import FAMILIES, families_of
 from .machine_key import cache_key, machine
-from .runner import first_line
+from .runner import first_line, synchronize
 from .verdicts import VerificationWarning, Verdict
 
 logger = logging.getLogger("bnb_mps")
@@ -29,16 +45,20 @@ def mode() -> str:
     return value
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _verdicts: dict[tuple[str, int, str, str], Verdict] = {}  # (tier, executor id, cache key, family) -> verdict
+_local = threading.local()  # .running: the families this thread is verifying; .stale_routes: see failure()
 _warned = False
+
+
+def _running() -> list[str]:
+    return _local.__dict__.setdefault("running", [])
 
 
 def verdict(family: str, tier: str, executor, *, refresh: bool = False) -> Verdict:
     """`family`'s verdict on `tier` (run with `executor`): from this process, else the disk cache
     (unless BNB_MPS_VERIFY=always or `refresh`), else by running it now. Never raises."""
     from ...msl import source
-    from . import run_family  # (looked up on the package at each call: tests wrap it there)
 
     try:
         key = cache_key(tier, source.source_hash(), executor)
@@ -51,13 +71,36 @@ def verdict(family: str, tier: str, executor, *, refresh: bool = False) -> Verdi
         if found is not None:
             return found
         use_cache = not refresh and mode() != "always"
-        found = _cached(key, family) if use_cache else None
+        found = cache.cached(key, family) if use_cache else None
         if found is None:
-            found = run_family(FAMILIES[family], executor, getattr(executor, "device_type", "cpu"))
+            found = _verify(FAMILIES[family], executor, getattr(executor, "device_type", "cpu"))
             if not found.could_not_run:  # (a verification that could not run is tried again next process)
-                _write_cache(key, {family: found})
+                cache.store(key, {family: found})
         _verdicts[memo] = found
-        return found
+    if not _running() and _local.__dict__.pop("stale_routes", False):
+        from .. import routing
+
+        routing.forget()
+    return found
+
+
+def _verify(family: Family, executor, device: str) -> Verdict:
+    """`family` run (`run_family`), and once more after a failure a second run may not repeat."""
+    from . import run_family  # (looked up on the package at each run: the seam tests wrap, see its docstring)
+
+    running = _running()
+    running.append(family.name)
+    try:
+        first = run_family(family, executor, device)
+        if first.passed or not first.worth_a_second_run:
+            return first
+        with contextlib.suppress(Exception):  # (what the first run left in flight completes, or its error shows
+            synchronize(device)               # in the second run; that run starts a fresh command buffer)
+        second = run_family(family, executor, device)
+    finally:
+        running.pop()
+    return dataclasses.replace(second, seconds=first.seconds + second.seconds, launches=first.launches + second.launches,
+                               bytes=first.bytes + second.bytes, first_failure=first.describe())  # fmt: skip
 
 
 def failure(op: str, tier: str, executor) -> Optional[str]:
@@ -66,6 +109,12 @@ def failure(op: str, tier: str, executor) -> Optional[str]:
     if mode() == "0":
         return None
     for family in families_of(op):
+        if family in _running():
+            # An op of a family this thread is verifying, called from inside that family's cases: it
+            # runs on the tier as part of that verification, whose comparisons judge it. The route
+            # made from this answer is dropped once the verdict is known (verdict()).
+            _local.stale_routes = True
+            continue
         v = verdict(family, tier, executor)
         if not v.passed:
             try:
@@ -98,5 +147,5 @@ def reset() -> None:
     global _warned
     with _lock:
         _verdicts.clear()
-        _read_memo.clear()
+        cache.forget()
         _warned = False
