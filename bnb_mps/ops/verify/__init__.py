@@ -34,7 +34,7 @@ is defined and shared (NF4 to the lower nibble, int8's round half to even). Floa
 (products, optimizer steps) are compared within tolerances derived from their magnitudes.
 
 Where docs/semantics.md defines results that bitsandbytes' CPU code does not compute (NaN,
-infinities, all-zero blocks, float32 subnormals, block maxima above 2^126: sections 2, 3 and 7),
+infinities, all-zero blocks, float32 subnormals, block maxima above 2^126: sections 2, 3, 6 and 7),
 a case carries its expected result, computed here from the page (`spec`), and is compared bit for
 bit, NaN as NaN.
 

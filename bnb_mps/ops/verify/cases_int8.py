@@ -9,7 +9,7 @@ import torch
 from . import sentinel
 from .cases import DTYPES, Case, gen
 from .compare import eps, same, same_arg, close, exact
-from .spec import F32_MIN_NORMAL
+from .spec import F32_MIN_NORMAL, spec_int8_double_quant, spec_int8_vectorwise_quant
 
 
 def _int8_activations(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -67,6 +67,32 @@ def int8_quant_cases() -> Iterator[Case]:
         A = A.to(dtype)
         yield Case(f"{op} {tuple(A.shape)} {dtype} threshold={threshold} subnormals", op, (A, threshold), same,
                    expected=lambda args, op=op: cpu_round_trip_call(op, [_flushed(args[0]), args[1]]))  # fmt: skip
+    # NaN and infinities (docs/semantics.md section 6): NaN left out of the row and column maxima (a
+    # row of NaN, a column of NaN, NaN next to a row's maximum) and quantized to 0; an infinity is its
+    # row's and column's maximum (their codes 0), or an outlier at a threshold. bitsandbytes' CPU code
+    # lets NaN into its maxima: these cases carry the page's result (`spec`).
+    for i, (dtype, op, threshold) in enumerate(((torch.float16, "int8_vectorwise_quant", 0.0),
+                                                (torch.float32, "int8_vectorwise_quant", 6.0),
+                                                (torch.bfloat16, "int8_double_quant", 0.0),
+                                                (torch.float16, "int8_double_quant", 6.0))):  # fmt: skip
+        A = _int8_nan_inf(_int8_activations(8, 48, torch.float32, seed=540 + i)).to(dtype)
+        expected = spec_int8_vectorwise_quant if op == "int8_vectorwise_quant" else spec_int8_double_quant
+        yield Case(f"{op} {tuple(A.shape)} {dtype} threshold={threshold} NaN and inf", op, (A, threshold), same,
+                   expected=lambda args, f=expected: f(args[0], args[1]))  # fmt: skip
+
+
+def _int8_nan_inf(x: torch.Tensor) -> torch.Tensor:
+    """x (8 rows) with NaN and infinities where section 6 says what becomes of them."""
+    x = x.clone()
+    nan, inf = float("nan"), float("inf")
+    top = int(x[0].abs().argmax())
+    x[0, (top + 1) % x.shape[1]] = nan  # next to the row's maximum
+    x[0, 17] = nan
+    x[1, 9] = inf  # threshold 0: the row's maximum (its codes 0); threshold 6: an outlier column
+    x[4, 3], x[4, 20] = -inf, nan
+    x[5] = nan  # a row of NaN: maximum 0, codes 0
+    x[:, 11] = nan  # a column of NaN
+    return x
 
 
 def _int8_codes(M: int, K: int, g: torch.Generator, N: int = 24) -> tuple[torch.Tensor, torch.Tensor]:

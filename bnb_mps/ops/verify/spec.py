@@ -200,3 +200,52 @@ def fp4_table() -> torch.Tensor:
     """FP4's 16 values as float32 (nibble 8 is -0.0)."""
     mags = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32)
     return torch.cat([mags, -mags])
+
+
+# -- int8 (section 6, with section 7): NaN and infinities ----------------------------------------------------
+#
+# NaN is left out of the row and column maxima, is never an outlier and quantizes to 0; an infinity
+# counts in its row's (column's) maximum, whose scale fl32(127 / inf) is 0, so that every code of that
+# row (column) is 0 (inf * 0 is NaN, which quantizes to 0), or, at a threshold, is an outlier. A
+# maximum of 0 gives codes 0. bitsandbytes' CPU code lets NaN into its maxima.
+
+
+def _int8_code(x: float, maximum: float) -> int:
+    """round_half_even(fl32(x * fl32(127 / maximum))) clamped to [-127, 127]; NaN gives 0."""
+    scale = 0.0 if maximum == 0.0 else round32(127.0 / maximum)  # (127 / inf is 0)
+    v = mul32(x, scale)
+    return 0 if v != v else max(-127, min(127, round(v)))
+
+
+def _int8_outliers(rows: list[list[float]], threshold: float) -> list[list[bool]]:
+    return [[threshold > 0.0 and x == x and abs(x) >= threshold for x in row] for row in rows]
+
+
+def _int8_max(values) -> float:
+    return max((abs(x) for x in values if x == x), default=0.0)
+
+
+def spec_int8_vectorwise_quant(A: torch.Tensor, threshold: float):
+    """(CA, row_stats, outlier_cols) of a 2-D A: docs/semantics.md section 6."""
+    rows = [_floats(r) for r in A]
+    out = _int8_outliers(rows, threshold)
+    stats = [_int8_max(0.0 if o else x for x, o in zip(r, ro)) for r, ro in zip(rows, out)]
+    cols = sorted({c for ro in out for c, o in enumerate(ro) if o})
+    zeroed = set(cols) if len(rows) > 1 else set()
+    CA = [[0 if o or c in zeroed else _int8_code(x, m) for c, (x, o) in enumerate(zip(r, ro))]
+          for r, ro, m in zip(rows, out, stats)]  # fmt: skip
+    return (torch.tensor(CA, dtype=torch.int8).reshape(A.shape), torch.tensor(stats, dtype=torch.float32),
+            torch.tensor(cols, dtype=torch.int64) if threshold > 0.0 else None)  # fmt: skip
+
+
+def spec_int8_double_quant(A: torch.Tensor, threshold: float):
+    """(CA, CAt, row_stats, col_stats, outlier_cols) of a 2-D A: docs/semantics.md section 6 (CAt
+    has A's shape: each column quantized by its maximum, outliers as 0)."""
+    CA, row_stats, cols = spec_int8_vectorwise_quant(A, threshold)
+    rows = [_floats(r) for r in A]
+    out = _int8_outliers(rows, threshold)
+    masked = [[0.0 if o else x for x, o in zip(r, ro)] for r, ro in zip(rows, out)]
+    col_stats = [_int8_max(column) for column in zip(*masked)]
+    CAt = [[_int8_code(x, m) for x, m in zip(r, col_stats)] for r in masked]
+    return (CA, torch.tensor(CAt, dtype=torch.int8).reshape(A.shape), row_stats,
+            torch.tensor(col_stats, dtype=torch.float32), cols)  # fmt: skip
