@@ -800,6 +800,35 @@ def test_a_command_buffer_error_of_the_first_run_only_serves(emulated_tier):
     assert stored(watched.inner, "int8_quant")["passed"] is True
 
 
+def test_the_fault_kernel_of_the_acceptance_run_faults(library):
+    """tests/fault_kernels/address_fault.metal (what scripts/mac_acceptance.sh launches to fail a command
+    buffer on a Mac) writes far out of any buffer: under the emulator, a memory fault at that write."""
+    import command_buffer_fault as cbf
+
+    from bnb_mps import emulator
+    from bnb_mps.kernel_args import uint64
+
+    lib = emulator.Library(cbf.FAULT_KERNEL.read_text(), name=cbf.FAULT_KERNEL.name)
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(emulator.EmulatorError, match="invalid memory access"):
+        lib.launch(cbf.FAULT_NAME, grid=(1, 1, 1), threadgroup=(32, 1, 1), args=[out, uint64(cbf.FAR_ELEMENTS)])
+    lib.launch(cbf.FAULT_NAME, grid=(1, 1, 1), threadgroup=(32, 1, 1), args=[out, uint64(0)])
+    assert out.tolist() == [0xDEAD] + list(range(1, 32))  # (in bounds, every thread writes)
+
+
+@pytest.mark.mps
+def test_a_command_buffer_error_on_this_mac_is_could_not_run_and_not_cached(fresh_tier_selection, tmp_path):
+    """The acceptance run's forced GPU fault (tests/command_buffer_fault.py), on the native tier."""
+    import command_buffer_fault
+
+    fresh_tier_selection.setenv(verification.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
+    executors.reset()
+    result = command_buffer_fault.run()
+    if not result["ran"]:
+        pytest.skip(result["why"])
+    assert result["ok"], result
+
+
 def _nested_kernel(monkeypatch, wrong: bool):
     """int8_vectorwise_dequant's kernel (family int8_quant), made to call ops through the dispatcher:
     quantize_blockwise (family blockwise_8bit) and int8_vectorwise_quant (its own family); with
