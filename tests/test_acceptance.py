@@ -198,7 +198,7 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     # First-use verification, cold then from the cache (the emulated tier here: no GPU tier).
     cold, cached = data["verification"]["cold"], data["verification"]["cached"]
     assert cold["tier"] == "emulated" and all(f["passed"] and not f["cached"] for f in cold["families"].values())
-    assert all(f["cached"] for f in cached["families"].values()) and cached["seconds"] < cold["seconds"]
+    assert all(f["cached"] for f in cached["families"].values())  # (read, not run: no timing needed to tell)
     assert "## Kernel verification" in md and "Whole verification, cached" in md
     # The forced command-buffer error needs the native tier: not run here, and the report says why.
     assert data["verification"]["fault"] == {"ran": False, "why": data["verification"]["fault"]["why"]}
