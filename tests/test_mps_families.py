@@ -5,6 +5,7 @@ table's references and calls before a Mac runs them."""
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -113,20 +114,37 @@ def test_cases_cover_every_op_of_their_family():
         assert seen == set(f.ops), (f.name, set(f.ops) - seen)
 
 
-@pytest.fixture(scope="module")
-def emulated():
+@contextlib.contextmanager
+def emulated_kernels(float_mode: str = "apple"):
+    """bnb_mps.testing.use_emulated_kernels, skipping only where the emulator's runtime is not built:
+    any other error (a bad float mode, a kernel that does not compile) fails."""
     import bitsandbytes  # noqa: F401  (first: importing it later would put its own CPU kernels back)
 
+    from bnb_mps import executors
     from bnb_mps.testing import use_emulated_kernels
 
     try:
-        # The emulator computes like an Apple GPU (float32 subnormals flushed), and the families'
-        # references expect what the hardware computes (tests/spec_reference.py's flush mode): the
-        # cases pass here exactly as they must on a Mac.
-        with use_emulated_kernels(float_mode="apple") as recorder:
-            yield recorder
-    except Exception as e:  # the emulator's runtime is not built here
+        executors.load_tier("emulated")
+    except executors.ExecutorUnavailable as e:
         pytest.skip(f"emulator unavailable: {e}")
+    with use_emulated_kernels(float_mode=float_mode) as recorder:
+        yield recorder
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    # The emulator computes like an Apple GPU (float32 subnormals flushed), and the families'
+    # references expect what the hardware computes (tests/spec_reference.py's flush mode): the cases
+    # pass here exactly as they must on a Mac.
+    with emulated_kernels(float_mode="apple") as recorder:
+        yield recorder
+
+
+def test_the_emulated_kernels_fail_on_anything_but_a_missing_emulator():
+    """(A bad float mode once skipped the whole Linux run of the family table.)"""
+    with pytest.raises(ValueError, match="float_mode must be 'apple' or 'ieee'"):
+        with emulated_kernels(float_mode="fast"):
+            pass
 
 
 CPU_RUNS = [(f, n) for f in fam.FAMILIES for n in f.cpu_sizes]
