@@ -228,3 +228,32 @@ def test_uses_dtype_sees_inputs_views_dtype_arguments_and_references():
     assert not fam.uses_dtype(plain, torch.bfloat16)
     view = fam.Case("x", "quantize_blockwise", (fam.DeviceView(torch.zeros(4, dtype=torch.bfloat16), lambda b: b[1:]),), None)
     assert fam.uses_dtype(view, torch.bfloat16)
+
+
+def test_the_32bit_state_bound_is_what_contracting_the_update_can_change():
+    """A 32-bit optimizer case takes the reference's states and states within its bound (2^-23 of the
+    magnitudes of the update's terms plus an ulp: fam.state_bound_32bit), and rejects states twice as
+    far; and states near 2^-126 off by 1e-20, which an absolute tolerance of 1e-12 took."""
+    cases = [c for c in fam.optimizer_cases(4_173) if c.op == "optimizer_update_32bit" and "clip=0.0 " in c.label]
+    assert {c.label.split()[1] for c in cases} >= {"adam", "momentum", "rmsprop", "adagrad", "lion", "ademamix"}
+    for case in cases:
+        args = list(case.args)
+        exact = fam._after(args, case.want)
+        case.compare(exact, case.want, case.label)
+        for scale, passes in ((0.5, True), (2.0, False)):
+            got = list(exact)
+            for i, w in ((3, case.want.state1), (4, case.want.state2)):
+                if w is not None:
+                    got[i] = (w.double() + scale * fam.state_bound_32bit(args, w, args[i])).float()
+            if passes:
+                case.compare(got, case.want, case.label)
+            else:
+                with pytest.raises(AssertionError, match="states beyond"):
+                    case.compare(got, case.want, case.label)
+    (tiny,) = [c for c in fam.optimizer_cases(4_173) if "adam states decaying below 2^-126" in c.label]
+    got = fam._after(list(tiny.args), tiny.want)
+    tiny.compare(got, tiny.want, tiny.label)
+    got[3] = got[3] + 1e-20
+    with pytest.raises(AssertionError, match="states beyond"):
+        tiny.compare(got, tiny.want, tiny.label)
+    torch.testing.assert_close(got[3], tiny.want.state1, rtol=1e-6, atol=1e-12)  # (what the old check took)
