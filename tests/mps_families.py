@@ -544,6 +544,89 @@ def matmul_4bit_cases(n: int) -> Iterator[Case]:
         out = torch.full((M, N), float("nan"), dtype=dtype)
         yield Case(f"gemv_4bit.out {c}", "gemv_4bit.out", args + (out,), None, want_args={6: (A, W, None, N)},
                    compare=_matmul_compare)  # fmt: skip
+    if n == 4_096:
+        yield from matmul_4bit_flush_cases()
+
+
+# docs/semantics.md section 7 on the three paths of the 4-bit products (M = 1: gemv, 5: batch, 40: mma,
+# at K = 128), the model the emulator's "apple" float mode was built on (tests/test_kernels_matmul_4bit.py
+# runs the same inputs in both of its float modes): what a Mac computes here checks that model.
+APPLE_PATHS = {"gemv": 1, "batch": 5, "mma": 40}
+HUGE_SCALES = [1.5 * 2.0**126, 2.0**126 * (1 + 2.0**-23), 2.0**127, 1e38, 3e38, float(torch.finfo(torch.float32).max)]
+SUBNORMAL_SCALES = [1e-39, -5e-40, 2.0**-149, float(torch.finfo(torch.float32).tiny) * (1 - 2.0**-23), 3e-39]
+
+
+def _unit_blocks(N: int, K: int, blocksize: int, quant_type: str, seed: int) -> torch.Tensor:
+    """Packed nibbles of a random weight whose every block has absmax 1: with a block scale s the weight
+    is table[nibble] * s (the cases set the scales)."""
+    W = torch.randn(N * K, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).reshape(-1, blocksize)
+    W = (W / W.abs().amax(1, keepdim=True)).float().reshape(N, K)
+    nib, absmax = ref.quantize_4bit_nibbles(W, blocksize, quant_type, flush=False)
+    assert (absmax == 1).all()
+    return torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1)
+
+
+def _flush_compare(got: Any, want: Any, what: str = "result") -> None:
+    """docs/semantics.md section 4's accuracy rule against the flushed reference (section 7), with the
+    weight's parts (the gemv path's partial products: reference_matmul_4bit.subnormal_slack)."""
+    import reference_matmul_4bit as R
+
+    A, W, parts, N = want
+    try:
+        R.check_accuracy(got.reshape(-1, N), A.reshape(-1, A.shape[-1]), W, parts=parts,
+                         linear_device="mps" if torch.backends.mps.is_available() else "cpu")  # fmt: skip
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+
+
+def matmul_4bit_flush_cases() -> Iterator[Case]:
+    """On each path, float32 and bfloat16 activations, NF4 and FP4 (one per dtype):
+    - block scales above 2^126 up to the float32 maximum: the IEEE product (no float32 value below
+      2^-126 arises);
+    - activations below 2^-126 meeting blocks above 2^126: they count as zero (IEEE's products, about
+      0.01 to 1 each, would change the result);
+    - block scales below 2^-126: their rows' outputs are exactly 0 (IEEE's, with activations near
+      1e30, about 1e-9).
+    The last two carry the IEEE answer (`ieee_want`), which their comparison must reject."""
+    import reference_matmul_4bit as R
+
+    K, bs = 128, 64
+    tiny = float(torch.finfo(torch.float32).tiny)
+    for path, M in APPLE_PATHS.items():
+        for dtype, qt in ((torch.float32, "nf4"), (torch.bfloat16, "fp4")):
+            g = torch.Generator().manual_seed(_seed("apple-4bit", M, str(dtype)))
+            N = 9
+            packed = _unit_blocks(N, K, bs, qt, seed=_seed("unit", M, qt))
+            huge = torch.tensor([HUGE_SCALES[b % len(HUGE_SCALES)] for b in range(N * K // bs)], dtype=torch.float32)
+            A = (torch.randn(M, K, generator=g) * 2.0**-24).to(dtype)  # |y| stays below the float32 maximum
+            yield _flush_case(f"gemm_4bit {path} M={M} {dtype} {qt} block scales above 2^126", A, packed, huge, N, K,
+                              bs, qt, R, ieee=False)  # fmt: skip
+            A = torch.randn(M, K, generator=g)
+            A[:, : K // 2] = (torch.rand(M, K // 2, generator=g) - 0.5) * 2 * tiny  # subnormals, both signs
+            A[:, : K // 2 : 7] = 0.0
+            A = A.to(dtype)
+            # each weight row: block 0 (the columns of the subnormal activations) huge, block 1 ordinary
+            mixed = torch.tensor([HUGE_SCALES[b // 2 % 6] if b % 2 == 0 else 1.0 for b in range(2 * N)])
+            yield _flush_case(f"gemm_4bit {path} M={M} {dtype} {qt} activations below 2^-126", A, packed, mixed, N, K,
+                              bs, qt, R, ieee=True)  # fmt: skip
+            N = 10
+            packed = _unit_blocks(N, K, bs, qt, seed=_seed("unit-sub", M, qt))
+            scales = torch.tensor([SUBNORMAL_SCALES[b // 2 % 5] if b // 2 % 2 == 0 else 2.0**-100
+                                   for b in range(2 * N)])  # fmt: skip  (rows 0, 2, ...: every block subnormal)
+            A = (torch.randn(M, K, generator=g) * 1e30).to(dtype)
+            yield _flush_case(f"gemm_4bit {path} M={M} {dtype} {qt} block scales below 2^-126", A, packed, scales, N,
+                              K, bs, qt, R, ieee=True)  # fmt: skip
+
+
+def _flush_case(label, A, packed, absmax, N, K, bs, qt, R, ieee: bool) -> Case:
+    W = R.dequantized_weight(packed, (N, K), bs, qt, absmax)
+    parts = R.weight_parts(packed, (N, K), bs, qt, absmax)
+    ieee_want = None
+    if ieee:
+        W_ieee = R.dequantized_weight(packed, (N, K), bs, qt, absmax, flush=False)
+        ieee_want = torch.from_numpy(R.matmul(A, W_ieee)).to(A.dtype)
+    return Case(label, "gemm_4bit", (A, packed, [N, K], absmax, bs, qt), (A, W, parts, N), compare=_flush_compare,
+                ieee_want=ieee_want)
 
 
 # -- LLM.int8() ------------------------------------------------------------------------------------

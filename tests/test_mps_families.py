@@ -185,7 +185,8 @@ def test_flush_cases_tell_apple_from_ieee():
     The int8 and optimizer families have such cases at their CPU sizes (rows and columns of
     subnormals, statistics near 2^-64, subnormal gradients, states decaying below 2^-126), and
     special values where their sections define them (NaN and -inf activations, 8-bit state blocks
-    above 2^126)."""
+    above 2^126); the 4-bit products have them on each of their paths (activations and block scales
+    below 2^-126)."""
     seen = {}
     for family in fam.FAMILIES:
         for n in family.cpu_sizes:
@@ -195,11 +196,19 @@ def test_flush_cases_tell_apple_from_ieee():
                 seen.setdefault(family.name, []).append(case.label)
                 with pytest.raises(AssertionError):
                     case.compare(case.ieee_want, case.want, case.label)
-    assert {"int8", "optimizers"} <= set(seen), seen.keys()
-    labels = " ".join(label for family in ("int8", "optimizers") for label in seen[family])
+    assert {"int8", "optimizers", "matmul_4bit"} <= set(seen), seen.keys()
+    labels = " ".join(label for family in ("int8", "optimizers", "matmul_4bit") for label in seen[family])
     for op in ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant",
                "int8_scaled_mm", "optimizer_update_8bit_blockwise", "optimizer_update_32bit"):
         assert op in labels, op
+    for path in fam.APPLE_PATHS:  # the 4-bit products' flush model, on each kernel path
+        for what in ("activations below 2^-126", "block scales below 2^-126"):
+            assert sum(f"gemm_4bit {path} " in label and what in label for label in seen["matmul_4bit"]) == 2
+    from bnb_mps.ops.matmul_4bit import choose_path
+
+    for case in fam.matmul_4bit_flush_cases():  # (each on the path its label names)
+        (M, K), N = case.args[0].shape, case.args[2][0]
+        assert f"gemm_4bit {choose_path(M, N, K)} M={M} " in case.label, case.label
     optim = [c.label for n in fam.FAMILIES[4].cpu_sizes for c in fam.FAMILIES[4].cases(n)]
     assert sum("above 2^126" in label for label in optim) == 2
 
