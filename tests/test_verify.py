@@ -899,6 +899,17 @@ def test_verify_with_no_tier_on_a_machine_without_kernel_tiers(fresh_tier_select
         bnb_mps.verify()
 
 
+def test_the_verify_table_shows_what_a_first_run_found():
+    from bnb_mps.__main__ import verify_table
+
+    verdicts = {"nf4_fp4": verification.Verdict("nf4_fp4", True, 1.5, launches=60, bytes=10,
+                                                 first_failure="failed in case 'x': 2 of 8 elements differ"),
+                "int8_quant": verification.Verdict("int8_quant", True, 0.5, launches=40, bytes=10)}  # fmt: skip
+    text = " ".join(" ".join(verify_table(verdicts)).split())  # (wrapped at 100 columns)
+    assert "nf4_fp4: passed on its second run, in a fresh command buffer (its first run failed in case 'x': 2 of 8" in text
+    assert "int8_quant:" not in text  # (a plain pass has its row only)
+
+
 def test_python_m_bnb_mps_verify(tmp_path):
     """The command, in a process of its own: the kernels' load and compile, then the verification,
     each with its time. (The emulator's compiled modules stay where this session keeps them.)"""
