@@ -83,11 +83,11 @@ from .cache import CACHE_ENV_VAR, cache_path
 from .cases import DTYPES, Case, Family, Unaligned
 from .compare import close, exact
 from .families import FAMILIES, families_of
-from .first_use import ENV_VAR, MODES, failure, mode, reset, verdict
+from .first_use import ENV_VAR, MODES, failure, mode, on_stale_routes, reset, verdict
 from .machine_key import cache_key, machine, math_mode
 from .runner import run_family
 from .verdicts import VerificationWarning, Verdict
 
 __all__ = ["CACHE_ENV_VAR", "DTYPES", "ENV_VAR", "FAMILIES", "MODES", "Case", "Family", "Unaligned",
            "VerificationWarning", "Verdict", "cache_key", "cache_path", "close", "exact", "failure", "families_of",
-           "machine", "math_mode", "mode", "reset", "run_family", "verdict"]
+           "machine", "math_mode", "mode", "on_stale_routes", "reset", "run_family", "verdict"]

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Optional
 
 from . import cache
@@ -78,10 +79,19 @@ def verdict(family: str, tier: str, executor, *, refresh: bool = False) -> Verdi
                 cache.store(key, {family: found})
         _verdicts[memo] = found
     if not _running() and _local.__dict__.pop("stale_routes", False):
-        from .. import routing
-
-        routing.forget()
+        for listener in _route_listeners:
+            listener()
     return found
+
+
+_route_listeners: list[Callable[[], None]] = []
+
+
+def on_stale_routes(listener: Callable[[], None]) -> None:
+    """Have `listener()` called when routes made from `failure`'s answers may be stale: an op of a
+    family was routed while that family's own verification ran on the thread (see failure()).
+    bnb_mps.ops.routing registers its forget()."""
+    _route_listeners.append(listener)
 
 
 def _verify(family: Family, executor, device: str) -> Verdict:
