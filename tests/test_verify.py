@@ -106,7 +106,8 @@ GROUPS = {
               "result = max(result, partial[j]);", "result = max(result, partial[0]);",
               {"blockwise_8bit": r"blocksize=(512|1024|2048|4096) ", "nf4_fp4": r"blocksize=(512|1024|2048|4096) "}),
         Fault("int8 quantization rounds half away from zero", "int8.h",
-              "return int(clamp(rint(v), -127.0f, 127.0f));", "return int(clamp(round(v), -127.0f, 127.0f));",
+              "return int(metal::precise::clamp(metal::precise::rint(v), -127.0f, 127.0f));",
+              "return int(metal::precise::clamp(metal::precise::round(v), -127.0f, 127.0f));",
               {"int8_quant": r"^int8_(vectorwise|double)_quant "}),
     ],
     "B": [
