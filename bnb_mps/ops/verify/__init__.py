@@ -58,8 +58,8 @@ in the verdict (`Verdict.first_failure`, shown by `python -m bnb_mps verify`); a
 twice and is cached as failed.
 
 To plant a fault in the first run only (tests), wrap `run_family`, which `first_use` looks up on this
-package at every run; e.g. with an executor that drops the launches of the first run (a command
-buffer the GPU never ran):
+package at every run (and which looks up `runner.run_family` in turn: either can be wrapped); e.g.
+with an executor that drops the launches of the first run (a command buffer the GPU never ran):
 
     real = verify.run_family
     runs = []
@@ -79,14 +79,21 @@ buffer the GPU never ran):
 
 from __future__ import annotations
 
+from . import runner
 from .cache import CACHE_ENV_VAR, cache_path
 from .cases import DTYPES, Case, Family, Unaligned
 from .compare import close, exact
 from .families import FAMILIES, families_of
 from .first_use import ENV_VAR, MODES, failure, mode, on_stale_routes, reset, verdict
 from .machine_key import cache_key, machine, math_mode
-from .runner import run_family
 from .verdicts import VerificationWarning, Verdict
+
+
+def run_family(family: Family, executor, device: str) -> Verdict:
+    """One run of `family` (`runner.run_family`, looked up at each call). first_use calls this for
+    every run: the seam a test wraps, here or in `runner`, to plant a fault in one run."""
+    return runner.run_family(family, executor, device)
+
 
 __all__ = ["CACHE_ENV_VAR", "DTYPES", "ENV_VAR", "FAMILIES", "MODES", "Case", "Family", "Unaligned",
            "VerificationWarning", "Verdict", "cache_key", "cache_path", "close", "exact", "failure", "families_of",

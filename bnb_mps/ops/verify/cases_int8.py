@@ -77,7 +77,7 @@ def int8_quant_cases() -> Iterator[Case]:
                                                 (torch.float16, "int8_double_quant", 6.0))):  # fmt: skip
         A = _int8_nan_inf(_int8_activations(8, 48, torch.float32, seed=540 + i)).to(dtype)
         expected = spec_int8_vectorwise_quant if op == "int8_vectorwise_quant" else spec_int8_double_quant
-        yield Case(f"{op} {tuple(A.shape)} {dtype} threshold={threshold} NaN and inf", op, (A, threshold), same,
+        yield Case(f"{op} special values {tuple(A.shape)} {dtype} threshold={threshold} (nan, inf)", op, (A, threshold), same,
                    expected=lambda args, f=expected: f(args[0], args[1]))  # fmt: skip
 
 
