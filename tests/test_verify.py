@@ -41,7 +41,7 @@ from bnb_mps.ops.verify import cache, first_use, machine_key, runner
 KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "kernels"
 MPS = DispatchKeySet(DispatchKey.MPS)
 ALL = set(verification.FAMILIES)
-MATMUL = {"matmul_4bit_gemv", "matmul_4bit_batch", "matmul_4bit_mma"}
+MATMUL = {"matmul_4bit_gemv", "matmul_4bit_batch", "matmul_4bit_mma", "matmul_4bit_tglut"}
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning"),
@@ -101,7 +101,7 @@ GROUPS = {
               "const uint chunks = n / chunk + (n % chunk != 0u ? 1u : 0u);", "const uint chunks = n / chunk;",
               {"optimizer_32bit": r"^optimizer_update_32bit "}),
         Fault("the gemv kernel keeps only the last step of each lane", "gemm_4bit.h", "acc[r] += s * d;",
-              "acc[r] = s * d;", {"matmul_4bit_gemv": r"K=1280"}),
+              "acc[r] = s * d;", {"matmul_4bit_gemv": r"K=1280", "matmul_4bit_tglut": r"K=1280"}),
         Fault("blocks above 256 elements take the first simdgroup's maximum", "quantize_layout.h",
               "result = max(result, partial[j]);", "result = max(result, partial[0]);",
               {"blockwise_8bit": r"blocksize=(512|1024|2048|4096) ", "nf4_fp4": r"blocksize=(512|1024|2048|4096) "}),
@@ -129,7 +129,8 @@ GROUPS = {
     "C": [
         Fault("the gemv and batch kernels' scalar loads of an unaligned A swap neighbours", "gemm_4bit.h",
               "            x[j] = float(a[j]);", "            x[j] = float(a[j ^ 1u]);",
-              {"matmul_4bit_gemv": r"unaligned A", "matmul_4bit_batch": r"unaligned A"}),
+              {"matmul_4bit_gemv": r"unaligned A", "matmul_4bit_batch": r"unaligned A",
+               "matmul_4bit_tglut": r"unaligned A"}),
         Fault("the mma kernel's scalar loads of A ignore its row stride", "gemm_4bit.h", "float(A[m * lda + k + j])",
               "float(A[m * K + k + j])", {"matmul_4bit_mma": r"unaligned A"}),
         Fault("NaN enters the block maximum", "bnb_common.h",
@@ -210,7 +211,7 @@ SINGLE_FAULTS = [
           "    for (uint k = 0; k < 4u; ++k) {\n        // blocksize is even",
           "    for (uint k = 0; k < 3u; ++k) {\n        // blocksize is even", {"nf4_fp4": ""}),
     Fault("dropped bias in the 4-bit products", "gemm_4bit.h", "        v += float(bias[n]);", "",
-          dict.fromkeys(MATMUL, " bias:")),
+          dict.fromkeys(MATMUL, r" bias( \(gemv/tglut\))?:")),
     Fault("off-by-one threshold table of the 8-bit quantizer", "quantize_8bit.h",
           "for (uint k = tid; k < 255u; k += threads) {", "for (uint k = tid; k < 254u; k += threads) {",
           {"blockwise_8bit": "", "optimizer_8bit": ""}),
