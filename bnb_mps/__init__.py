@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-__version__ = "0.1.0"
+from ._version import __version__
 __all__ = ["register", "unregister", "backend_info", "verify", "tuning_table", "__version__"]
 
 _logger = logging.getLogger("bnb_mps")

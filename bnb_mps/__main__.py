@@ -115,15 +115,15 @@ def _language(version) -> str:
 
 
 def verify_table(verdicts: dict) -> list[str]:
-    """One row per kernel family: verdict, time, launches and bytes; each failure's case and each
-    skipped case below."""
+    """One row per kernel family: verdict, time, launches and bytes; below, each failure's case, each
+    family that passed only on its second run (with its first run's failure) and each skipped case."""
     out = [f"{'family':<18}  {'verdict':<7}  {'seconds':>7}  {'launches':>8}  {'bytes':>9}  from",
            f"{'-' * 18}  {'-' * 7}  {'-' * 7}  {'-' * 8}  {'-' * 9}  ----"]  # fmt: skip
     for name, v in verdicts.items():
         out.append(f"{name:<18}  {'passed' if v.passed else 'FAILED':<7}  {v.seconds:7.2f}  {v.launches:8d}  "
                    f"{v.bytes:9d}  {'cache' if v.cached else 'run now'}")  # fmt: skip
     for name, v in verdicts.items():
-        if not v.passed or v.skipped:
+        if not v.passed or v.skipped or v.first_failure:
             out += [""] + textwrap.wrap(f"{name}: {v.describe()}", width=100, subsequent_indent="    ",
                                         break_long_words=False, break_on_hyphens=False)  # fmt: skip
     return out

@@ -4,10 +4,10 @@ facts as JSON.
     python scripts/acceptance_report.py --out DIR --work DIR [--dry-run] [--repo DIR]
 
 Reads what the shell script left in the work directory (`steps.tsv`: one line per step with its
-exit status, seconds and log; `junit.xml` from pytest; `bench_*.json` from the benchmarks) and
-asks this Python (the acceptance venv's) about the machine: model, chip, memory, macOS, torch,
-bitsandbytes, the Metal language version the native library asks for, which executor tier
-loaded and which tier serves each op. Writes `acceptance-report.md` and `acceptance-report.json`
+exit status, seconds and log; `junit.xml` from pytest; `verify_*.json` from the verification steps;
+`bench_*.json` from the benchmarks) and asks this Python (the acceptance venv's) about the machine:
+model, chip, memory, macOS, torch, bitsandbytes, the Metal language version the native library asks
+for, which executor tier loaded and which tier serves each op. Writes `acceptance-report.md` and `acceptance-report.json`
 into --out. Nothing here needs a Mac: off macOS the machine section says so.
 """
 
@@ -384,7 +384,14 @@ def verification_markdown(v: dict[str, Any]) -> str:
         return "(not run)" if not cold else f"(results {cold.get('error', 'incomplete')})"
     rows = []
     for name, c in cold["families"].items():
-        verdict = "passed" if c.get("passed") else f"FAILED in {c.get('case')!r}: {c.get('error')}"
+        if c.get("passed"):
+            verdict = "passed"
+        elif c.get("could_not_run"):
+            verdict = f"COULD NOT RUN ({c.get('case')}): {c.get('error')}"
+        else:
+            verdict = f"FAILED in {c.get('case')!r}: {c.get('error')}"
+        if c.get("first_failure"):
+            verdict += f" (on a second run; the first {c['first_failure']})"
         if c.get("passed") and c.get("skipped"):
             verdict += f" ({len(c['skipped'])} case(s) skipped: {'; '.join(c['skipped'])})"
         rows.append([name, verdict, c.get("seconds"), c.get("launches"), c.get("bytes")])
@@ -399,6 +406,7 @@ def verification_markdown(v: dict[str, Any]) -> str:
         hits = sum(1 for c in cached.get("families", {}).values() if c.get("cached"))
         lines.append(f"Whole verification, cached: {cached['seconds']:.3f} s ({hits} of {len(cached.get('families', {}))} "
                      "families read from the cache).")  # fmt: skip
+    lines += ["", fault_markdown(v.get("fault"))]
     return "\n".join(lines)
 
 
@@ -459,6 +467,23 @@ def tuning_markdown(tune: Optional[dict[str, Any]], chart: Optional[str] = None)
     if chart:
         parts += ["", f"![route times]({chart})"]
     return "\n".join(parts)
+
+
+def fault_markdown(fault: Optional[dict[str, Any]]) -> str:
+    """The forced command-buffer error (tests/command_buffer_fault.py): "could not be verified", not cached."""
+    head = "A command-buffer error forced during verification (tests/fault_kernels/address_fault.metal)"
+    if not fault:
+        return f"{head}: not run."
+    if "error" in fault:
+        return f"{head}: results {fault['error']}."
+    if not fault.get("ran"):
+        return f"{head}: not run ({fault.get('why')})."
+    if "verdict" not in fault:
+        return f"{head}: FAILED ({fault.get('why')})."
+    result = "as it must be" if fault.get("ok") else "FAILED: it must be \"could not be verified\", a device error, not cached"
+    return (f"{head}, {fault['fault_launches']} fault launches in family {fault['family']}: {result}. Verdict: "
+            f"{fault['verdict']}; cached: {'yes' if fault.get('cached') else 'no'}; a clean verification right "
+            f"after: {fault.get('clean_after')}.")
 
 
 def _counts(b: dict[str, Any]) -> str:
@@ -602,7 +627,8 @@ def build_report(work: Path, dry_run: bool, repo: Path = REPO) -> dict[str, Any]
         "tests": group_tests(tests, families) if tests else None,
         "benchmarks": benchmarks,
         "verification": {"cold": read_benchmark(work / "verify_cold.json"),
-                         "cached": read_benchmark(work / "verify_cached.json")},
+                         "cached": read_benchmark(work / "verify_cached.json"),
+                         "fault": read_benchmark(work / "verify_fault.json")},
         "math_mode": read_benchmark(work / "probe_math_mode.json"),
         "tuning": read_benchmark(work / "tune.json"),
         "tuning_chart": "tune.png" if (work.parent / "tune.png").is_file() else None,

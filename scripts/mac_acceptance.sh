@@ -140,6 +140,13 @@ step "kernel verification (cold)" "$WORK/verify_cold.log" "" -- \
 step "kernel verification (cached)" "$WORK/verify_cached.log" "" -- \
   env BNB_MPS_CACHE_DIR="$WORK/verify-cache" BNB_MPS_VERIFY_CACHE="$WORK/verify-cache/verify.json" \
     "$VPY" -m bnb_mps verify --cached --json "$WORK/verify_cached.json" || FAILED=1
+# A GPU fault during verification: a test-only kernel (tests/fault_kernels/address_fault.metal, compiled by
+# the native tier's compile path, never part of csrc/kernels) fails the command buffer of every launch of
+# one family. The family must come out as "could not be verified", with Metal's error text, and not be
+# cached; a clean verification right after must pass. (Not run where the native tier does not serve.)
+step "kernel verification meets a command-buffer error" "$WORK/verify_fault.log" "" -- \
+  env BNB_MPS_VERIFY_CACHE="$WORK/verify-fault-cache/verify.json" \
+    "$VPY" "$REPO/tests/command_buffer_fault.py" --json "$WORK/verify_fault.json" || FAILED=1
 
 # What the Metal compiler does with the kernels' float arithmetic on this GPU: a*b + c contracted or
 # not, per tier and language version, bare and behind bnb_math_mode.h, and under

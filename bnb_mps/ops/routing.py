@@ -120,6 +120,9 @@ def forget() -> None:
         epoch += 1
 
 
+verify.on_stale_routes(forget)  # (routes made while a family's own verification ran: see bnb_mps.ops.verify)
+
+
 def refuse(name: str, refusal: Exception) -> Route:
     """Route op `name` past its kernel tier, whose executor refused one of the op's launches, and
     return the new route: a kernel's pipeline allows fewer threads per threadgroup than the op
