@@ -212,9 +212,20 @@ def fp32_ulps(K: int) -> float:
 AGGREGATE_MIN = 256
 
 
+def in_dtype(W: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """The float32 dequantized weight W as `dequantize_4bit` gives it in `dtype` (rounded to nearest
+    even, beyond float16's range infinite), as float64 values: what the kernels multiply activations
+    of that dtype by (docs/semantics.md section 4)."""
+    if dtype == torch.float32:
+        return W.astype(np.float64)
+    return torch.from_numpy(np.asarray(W, dtype=F32)).to(dtype).to(torch.float64).numpy()
+
+
 def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, linear_device="cpu", *,
                    flush: bool | None = None) -> dict:  # fmt: skip
     """Asserts docs/semantics.md section 4's accuracy target for y ~ A @ W.T (+ bias) and returns the figures.
+    W is the float32 dequantized weight; the product is taken with it in A's dtype (`in_dtype`), as
+    the kernels take it, and y64 below is that product in float64.
 
     - float32: |y - linear32| <= fp32_ulps(K) ulps of S per element, where linear32 is torch's
       float32 `linear(A, W)` of the same dequantized weight (and bias).
@@ -233,11 +244,17 @@ def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, l
     K = A.shape[-1]
     fl = ref._flush(flush)
     A, bias = flushed(A, fl), flushed(bias, fl)
+    W = in_dtype(W, y.dtype)  # the weight the kernels multiply by (exact as float64)
     slack = subnormal_slack(A.reshape(-1, K), W, fl)
     want = matmul(A, W, bias)
     S = magnitude(A, W, bias)
     got = as_f64(y)
     assert got.shape == want.shape, (got.shape, want.shape)
+    # Where the reference is not finite (a weight beyond float16's range, an overflowing sum), y must be too.
+    inf = ~np.isfinite(want)
+    assert ((got[inf] == want[inf]) | (np.isnan(got[inf]) & np.isnan(want[inf]))).all(), "non-finite outputs differ"
+    if inf.any():
+        got, want, S, slack = (np.where(inf, 0.0, x) for x in (got, want, S, slack))
     # (float32: always the CPU's IEEE linear, the reference the target names)
     lin = as_f64(dequantize_then_linear(A, W, bias, "cpu" if y.dtype == torch.float32 else linear_device))
     if got.size == 0:

@@ -315,6 +315,29 @@ def test_terms_are_products_of_the_dequantized_weights(library, path, nested, mo
     assert set(ex.launched) == {f"{kernel}_{'nested' if nested else 'absmax'}_f32"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["gemv", "batch", "mma"])
+def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
+    """float16 / bfloat16 activations multiply the weight as dequantize_4bit gives it in their dtype,
+    T(fl32(table[q] * scale)), as bitsandbytes' dequantize-then-linear path does: with two_term_rows'
+    activations (exact in T) the result is that product in float64, rounded to float32 and then to T,
+    which the float32 weight fl32(table[q] * scale) gives for many fewer outputs."""
+    (M, N, K), kernel = ROUNDING_SHAPES[path]
+    r = np.random.default_rng(K + 7)
+    packed = torch.from_numpy(ref.pack_nibbles(r.integers(0, 16, N * K).astype(np.uint8))).reshape(-1, 1)
+    absmax = torch.from_numpy(r.uniform(0.3, 3.0, N * K // 32).astype(np.float32))
+    A = two_term_rows(M, K, seed=M + K + 1).to(dtype)
+    ex = EmulatedExecutor(library, order="random", seed=K)
+    for quant_type in ("nf4", "fp4"):
+        y = call(OPS["gemm_4bit"], (A, packed, [N, K], absmax, 32, quant_type), {}, ex)
+        W = R.dequantized_weight(packed, (N, K), 32, quant_type, absmax)
+        want = torch.from_numpy(R.matmul(A, R.in_dtype(W, dtype)).astype(np.float32)).to(dtype)
+        assert torch.equal(y, want), f"{quant_type}: {(y != want).sum()} outputs differ"
+        with_float32_weights = torch.from_numpy(R.matmul(A, W).astype(np.float32)).to(dtype)
+        assert (with_float32_weights != want).float().mean() > 0.05, quant_type
+    assert set(ex.launched) == {f"{kernel}_absmax_{DT[dtype]}"}
+
+
 # -- empty products, bad input ------------------------------------------------------------------------
 
 
@@ -391,6 +414,13 @@ APPLE_PATHS = {"gemv": 1, "batch": 5, "mma": 40}  # M of each path at K = 128 (a
 HUGE_SCALES = [1.5 * 2.0**126, 2.0**126 * (1 + 2.0**-23), 2.0**127, 1e38, 3e38, FMAX]
 
 
+def huge_scales(dtype: torch.dtype) -> list[float]:
+    """HUGE_SCALES up to the largest value of the activations' dtype, in which the kernels take the
+    weights (docs/semantics.md section 4): for bfloat16, all but the float32 maximum, whose weights
+    of magnitude near 1 round to infinity in bfloat16 (as dequantize_4bit to bfloat16 gives them)."""
+    return [s for s in HUGE_SCALES if s <= torch.finfo(dtype).max]
+
+
 def unit_blocks(N: int, K: int, blocksize: int, quant_type: str, seed: int) -> torch.Tensor:
     """Nibbles of a random weight whose every block has absmax 1, packed: with a block scale s the
     weight is table[nibble] * s (the scales are set by the test, not by the quantizer)."""
@@ -428,12 +458,14 @@ def is_not_the_ieee_answer(y, A, refs) -> bool:
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("path", list(APPLE_PATHS))
 def test_huge_block_scales(library, path, dtype):
-    """Block scales above 2^126 up to the float32 maximum: the products are those of the IEEE
-    reference, in both float modes, bit for bit the same (no float32 value below 2^-126 arises)."""
+    """Block scales above 2^126 up to the float32 maximum (bfloat16: its maximum, huge_scales): the
+    products are those of the IEEE reference, in both float modes, bit for bit the same (no float32
+    value below 2^-126 arises)."""
     M, N, K, bs = APPLE_PATHS[path], 9, 128, 64
     for quant_type in ("nf4", "fp4"):
         packed = unit_blocks(N, K, bs, quant_type, seed=M)
-        absmax = torch.tensor([HUGE_SCALES[b % len(HUGE_SCALES)] for b in range(N * K // bs)], dtype=torch.float32)
+        scales = huge_scales(dtype)
+        absmax = torch.tensor([scales[b % len(scales)] for b in range(N * K // bs)], dtype=torch.float32)
         A = (torch.randn(M, K, generator=gen(M + 1)) * 2.0**-24).to(dtype)  # |y| stays below the maximum
         y, y_ieee, _ = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
                                              quant_type)  # fmt: skip
@@ -457,7 +489,8 @@ def test_subnormal_activations_count_as_zero(library, path, dtype):
     for quant_type in ("nf4", "fp4"):
         packed = unit_blocks(N, K, bs, quant_type, seed=M)
         # Each weight row: block 0 (columns 0..63, the subnormal activations) huge, block 1 ordinary.
-        absmax = torch.tensor([HUGE_SCALES[b // 2 % 6] if b % 2 == 0 else 1.0 for b in range(2 * N)])
+        scales = huge_scales(dtype)
+        absmax = torch.tensor([scales[b // 2 % len(scales)] if b % 2 == 0 else 1.0 for b in range(2 * N)])
         y, y_ieee, refs = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
                                                 quant_type)  # fmt: skip
         assert is_not_the_ieee_answer(y, A, refs)

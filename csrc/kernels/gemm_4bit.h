@@ -35,14 +35,16 @@
 // paths need that (and C/2-byte aligned chunks, which it also gives); the mma kernel handles any
 // K (it falls back to per-nibble addressing and per-nibble scales when K % 16 != 0).
 //
-// Rounding: every kernel forms each term as a * w with the weight w = fl32(table[q] * scale) rounded
-// to float32 first, as dequantize_4bit followed by linear does (and bitsandbytes' CUDA gemv in
-// float32), so that the only difference from that product is the order of summation
-// (docs/semantics.md section 4). The gemv and batch kernels load a chunk's scale once and multiply it
-// into each of the chunk's weights (one multiply per weight: a bandwidth-bound kernel does not
-// notice it, and no dynamically indexed per-thread table is needed); factoring the scale out of a
-// chunk's sum (scale * sum(a * table[q])) would round differently, and lose a * table[q] where it
-// is a float32 subnormal while a * w is not. The mma kernel stages the same w in threadgroup memory.
+// Rounding: every kernel forms each term as a * w with the weight w = T(fl32(table[q] * scale)), the
+// value dequantize_4bit gives in the activations' dtype T, so that the only difference from
+// dequantize_4bit followed by linear (bitsandbytes' own gemv_4bit / gemm_4bit wherever it has no
+// fused kernel; its CUDA gemv also multiplies weights in T) is the order of summation
+// (docs/semantics.md section 4). For half and bfloat, a * w is exact in float. The gemv and batch
+// kernels load a chunk's scale once and dequantize each of the chunk's weights with it (one multiply
+// and one conversion per weight: a bandwidth-bound kernel does not notice them, and no dynamically
+// indexed per-thread table is needed); factoring the scale out of a chunk's sum
+// (scale * sum(a * table[q])) would round differently, and lose a * table[q] where it is a float32
+// subnormal while a * w is not. The mma kernel stages the same w in threadgroup memory.
 //
 // Memory access (coalescing): in the gemv kernel lane l of a simdgroup reads bytes
 // [16l, 16l + 16) of a 512-byte run of one weight row per step, so the 32 lanes' loads of a row
@@ -145,39 +147,46 @@ inline uint bnb_mm_byte(thread const uint* w, uint j) {
     return (w[j >> 2] >> (8u * (j & 3u))) & 0xFFu;
 }
 
-// sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = fl32(table[nibble j] * s)
-// rounded to float32 before its product (see "Rounding" above); two variants for the table's address space.
-template <uint C>
+// The dequantized weight in the activations' dtype T, as a float: T(fl32(table value * scale)), what
+// dequantize_4bit gives for T (see "Rounding" above). Exact as a float; for T = float, fl32(t * s).
+template <typename T>
+inline float bnb_mm_weight(float t, float s) {
+    return float(T(t * s));
+}
+
+// sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = bnb_mm_weight<T>(table[nibble j], s);
+// two variants for the table's address space.
+template <typename T, uint C>
 inline float bnb_mm_dot_c(thread const uint* w, thread const float* x, constant float* lut, float s) {
     float d = 0.0f;
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        const float hi = lut[b >> 4] * s;
-        const float lo = lut[b & 15u] * s;
+        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
+        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
         d += x[2u * j] * hi + x[2u * j + 1u] * lo;
     }
     return d;
 }
 
-template <uint C>
+template <typename T, uint C>
 inline float bnb_mm_dot_tg(thread const uint* w, thread const float* x, threadgroup const float* lut, float s) {
     float d = 0.0f;
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        const float hi = lut[b >> 4] * s;
-        const float lo = lut[b & 15u] * s;
+        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
+        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
         d += x[2u * j] * hi + x[2u * j + 1u] * lo;
     }
     return d;
 }
 
-// t[j] = fl32(table[nibble j] * s) of a chunk: its dequantized weights.
-template <uint C>
+// t[j] = bnb_mm_weight<T>(table[nibble j], s) of a chunk: its dequantized weights.
+template <typename T, uint C>
 inline void bnb_mm_dequant_chunk(thread const uint* w, constant float* lut, float s, thread float* t) {
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        t[2u * j] = lut[b >> 4] * s;
-        t[2u * j + 1u] = lut[b & 15u] * s;
+        t[2u * j] = bnb_mm_weight<T>(lut[b >> 4], s);
+        t[2u * j + 1u] = bnb_mm_weight<T>(lut[b & 15u], s);
     }
 }
 
@@ -266,7 +275,7 @@ template <typename T, bool NESTED, bool TG_TABLE>
             uint w[C / 8u];
             bnb_mm_chunk<C>(B, idx, w);
             const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
-            acc[r] += TG_TABLE ? bnb_mm_dot_tg<C>(w, x, lut_tg, s) : bnb_mm_dot_c<C>(w, x, lut, s);
+            acc[r] += TG_TABLE ? bnb_mm_dot_tg<T, C>(w, x, lut_tg, s) : bnb_mm_dot_c<T, C>(w, x, lut, s);
         }
     }
     for (uint r = 0; r < R; ++r) {
@@ -329,7 +338,7 @@ template <typename T, bool NESTED>
             uint w[C / 8u];
             bnb_mm_chunk<C>(B, idx, w);
             const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
-            bnb_mm_dequant_chunk<C>(w, lut, s, t[r]);
+            bnb_mm_dequant_chunk<T, C>(w, lut, s, t[r]);
         }
         // ... and use it for every row of A.
         for (uint i = 0; i < MT; ++i) {
@@ -381,8 +390,8 @@ inline void bnb_mma_load_a8(device const T* A, uint m, uint k, uint M, uint K, u
     }
 }
 
-// v[0..16) = dequant(W)[n, k .. k + 16), 0 outside [0, N) x [0, K).
-template <bool NESTED>
+// v[0..16) = dequant(W)[n, k .. k + 16) in T (as floats, bnb_mm_weight), 0 outside [0, N) x [0, K).
+template <typename T, bool NESTED>
 inline void bnb_mma_dequant16(device const uchar* B, device const float* absmax, device const uchar* absmax_8bit,
                               device const float* absmax_code, float offset, constant float* lut, uint n, uint k,
                               uint N, uint K, uint block_shift, thread float* v) {
@@ -394,8 +403,8 @@ inline void bnb_mma_dequant16(device const uchar* B, device const float* absmax,
         const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
         for (uint j = 0; j < 8u; ++j) {
             const uint b = bnb_mm_byte(w, j);
-            v[2u * j] = lut[b >> 4] * s;
-            v[2u * j + 1u] = lut[b & 15u] * s;
+            v[2u * j] = bnb_mm_weight<T>(lut[b >> 4], s);
+            v[2u * j + 1u] = bnb_mm_weight<T>(lut[b & 15u], s);
         }
     } else {
         for (uint j = 0; j < 16u; ++j) {
@@ -404,8 +413,8 @@ inline void bnb_mma_dequant16(device const uchar* B, device const float* absmax,
                 const uint idx = n * K + k + j;
                 const uint b = B[idx >> 1];
                 const uint nibble = (idx & 1u) != 0u ? (b & 15u) : (b >> 4);
-                v[j] = lut[nibble] *
-                       bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
+                v[j] = bnb_mm_weight<T>(lut[nibble], bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit,
+                                                                          absmax_code, offset));
             }
         }
     }
@@ -471,8 +480,8 @@ template <typename T, bool NESTED>
         for (uint j = 0; j < 8u; ++j) {
             smem[ar * BK + ac + j] = v[j];
         }
-        bnb_mma_dequant16<NESTED>(B, absmax, absmax_8bit, absmax_code, offset, lut, n0 + wr, k0 + wc, N, K,
-                                  block_shift, v);
+        bnb_mma_dequant16<T, NESTED>(B, absmax, absmax_8bit, absmax_code, offset, lut, n0 + wr, k0 + wc, N, K,
+                                     block_shift, v);
         for (uint j = 0; j < 16u; ++j) {
             smem[WS + (wc + j) * BN + wr] = v[j];
         }
