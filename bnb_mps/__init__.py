@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 __version__ = "0.1.0"
-__all__ = ["register", "unregister", "backend_info", "verify", "__version__"]
+__all__ = ["register", "unregister", "backend_info", "verify", "tuning_table", "__version__"]
 
 _logger = logging.getLogger("bnb_mps")
 
@@ -40,7 +40,10 @@ def backend_info() -> dict[str, dict[str, str]]:
     """For each bitsandbytes op: what serves it on `mps` and why. The tier is "native", "shader"
     or "emulated" (bnb_mps' Metal kernel), "bitsandbytes" (bitsandbytes' own implementation: its
     mps kernel, its pure-PyTorch default kernel, or whatever it registered where bnb_mps left the
-    op alone) or "cpu" (bitsandbytes' CPU implementation with transfers)."""
+    op alone) or "cpu" (bitsandbytes' CPU implementation with transfers). An op some of whose calls
+    took another route in this process, because bitsandbytes accepts their arguments but bnb_mps'
+    kernels do not cover them (an 8-bit blocksize above 4096, say), has a "note" saying which calls
+    and what served them."""
     import torch
 
     if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
@@ -63,6 +66,9 @@ def backend_info() -> dict[str, dict[str, str]]:
         else:
             tier, reason = "bitsandbytes", "bnb_mps is not registered (bnb_mps.register() was undone)"
         info[name] = {"tier": tier, "reason": reason}
+    for name, notes in ops.not_covered_notes().items():
+        if name in info:
+            info[name]["note"] = "; ".join(notes)
     return info
 
 
@@ -100,6 +106,24 @@ def verify(tier: str | None = None, *, refresh: bool = False) -> dict:
     if refresh:
         routing.forget()  # routes follow the new verdicts
     return verdicts
+
+
+def tuning_table() -> list[dict]:
+    """The routes tuning chose on this machine: one entry per shape key, this process's choices and the
+    cached ones (bnb_mps.ops.tuning, docs/tuning.md). Each entry has `op`, `key` (the shape key, readable),
+    `choice` (the route that serves it), `default` (the route of the built-in order), `times` ({route:
+    seconds per call} of every candidate measured; inf for one testing.fixed_timings left out), `cached`
+    (True when read from disk), `tier`, `errors` ({route: error} of candidates that raised), `left_out`
+    ({route: why} of routes that were no candidates), `clock` ("gpu"; "host" where the times mean nothing
+    for a GPU, e.g. the emulated tier; "fixed" under testing.fixed_timings) and `seconds` (what measuring
+    took)."""
+    import torch
+
+    if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
+        import bitsandbytes  # noqa: F401  (defines the schemas)
+    from .ops import tuning
+
+    return tuning.table()
 
 
 _entry_failed = False

@@ -20,6 +20,7 @@ bnb_mps are imported inside the functions that need them.
 from __future__ import annotations
 
 import gc
+import functools
 import logging
 import os
 import platform
@@ -471,11 +472,32 @@ def _bitsandbytes_importable() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def checkpointing_field() -> str:
+    """The name under which the installed ``transformers.TrainingArguments`` takes gradient
+    checkpointing without a warning: ``activation_checkpointing`` from transformers 5.24 on (where
+    ``gradient_checkpointing`` is a deprecated alias, to be removed in v6), else
+    ``gradient_checkpointing``; the newer name when transformers is not installed."""
+    import dataclasses
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return "activation_checkpointing"
+    try:
+        from transformers import TrainingArguments
+    except Exception:  # (a broken install: the name the current transformers takes)
+        return "activation_checkpointing"
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 def training_config(device: DeviceLike) -> dict:
     """``transformers.TrainingArguments`` fields suited to ``device``.
 
-    Keys: optim, fp16, bf16, dataloader_pin_memory, gradient_checkpointing,
-    gradient_accumulation_steps.
+    Keys: optim, fp16, bf16, dataloader_pin_memory, gradient_accumulation_steps, and gradient
+    checkpointing under the name the installed transformers takes without a warning
+    (``checkpointing_field()``: ``activation_checkpointing`` from transformers 5.24 on, else
+    ``gradient_checkpointing``).
 
     - MPS: when bnb_mps serves ``optimizer_update_8bit_blockwise`` on a GPU tier (native or
       shader), bitsandbytes' 8-bit AdamW: ``optim="paged_adamw_8bit"`` while bnb_mps' paged
@@ -503,7 +525,7 @@ def training_config(device: DeviceLike) -> dict:
             "fp16": False,
             "bf16": bf16,
             "dataloader_pin_memory": False,
-            "gradient_checkpointing": True,
+            checkpointing_field(): True,
             "gradient_accumulation_steps": 4,
         }
     if dev.type == "cuda":
@@ -513,7 +535,7 @@ def training_config(device: DeviceLike) -> dict:
             "fp16": not bf16,
             "bf16": bf16,
             "dataloader_pin_memory": True,
-            "gradient_checkpointing": False,
+            checkpointing_field(): False,
             "gradient_accumulation_steps": 1,
         }
     return {
@@ -521,7 +543,7 @@ def training_config(device: DeviceLike) -> dict:
         "fp16": False,
         "bf16": False,
         "dataloader_pin_memory": False,
-        "gradient_checkpointing": False,
+        checkpointing_field(): False,
         "gradient_accumulation_steps": 1,
     }
 

@@ -53,6 +53,9 @@ _libraries: dict[str, torch.library.Library] = {}
 _names: dict[str, list[str]] = {}
 _executors: dict[str, object] = {}
 _skipped: dict[str, str] = {}
+#: (dispatch key, schema) -> bitsandbytes' own kernel for that key, captured before bnb_mps' own
+#: took its place (None where bitsandbytes has none): what serves a call bnb_mps' kernels do not cover
+_stock: dict[tuple[str, str], object] = {}
 
 
 def _schema(name: str):
@@ -63,7 +66,7 @@ def _schema(name: str):
         return None
 
 
-def _make_kernel(name: str, executor):
+def _make_kernel(name: str, dispatch_key: str, executor):
     call = None
 
     def kernel(*args, **kwargs):
@@ -71,7 +74,8 @@ def _make_kernel(name: str, executor):
         if call is None:
             from .ops import dispatcher_entry  # the op layer, imported on first use
 
-            call = dispatcher_entry(name, executor, None if executor is not None else leave_to_bitsandbytes)
+            call = dispatcher_entry(name, executor, None if executor is not None else leave_to_bitsandbytes,
+                                    stock_kernel(dispatch_key, name))  # fmt: skip
         return call(args, kwargs)
 
     kernel.__name__ = kernel.__qualname__ = "bnb_mps_" + name.replace(".", "_")
@@ -99,14 +103,45 @@ def register(dispatch_key: str = "MPS", executor=None, names=None) -> list[str]:
         return list(_names[dispatch_key])
 
 
+def _capture_stock(dispatch_key: str, name: str) -> None:
+    """Keep bitsandbytes' own kernel of `name` for `dispatch_key` (its backend's, or its default
+    kernel), as the dispatcher computes it while bnb_mps' is not registered, unless kept already."""
+    if (dispatch_key, name) in _stock:
+        return
+    qualified = f"{NAMESPACE}::{name}"
+    found = None
+    get_kernel = getattr(torch.library, "get_kernel", None)  # (torch >= 2.9)
+    if get_kernel is not None and _schema(name) is not None:
+        try:
+            if torch._C._dispatch_has_computed_kernel_for_dispatch_key(qualified, dispatch_key):
+                found = get_kernel(qualified, dispatch_key)
+        except RuntimeError:
+            found = None
+    _stock[dispatch_key, name] = found
+
+
+def stock_kernel(dispatch_key: str, name: str):
+    """bitsandbytes' own implementation of schema `name` for `dispatch_key`, as a function of the
+    call's positional arguments, or None where bitsandbytes has none (or torch cannot hand it out):
+    it serves the calls whose arguments bitsandbytes accepts but bnb_mps' kernels do not cover."""
+    kernel = _stock.get((dispatch_key, name))
+    if kernel is None:
+        return None
+    keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, dispatch_key))
+    call_boxed = kernel.call_boxed
+    return lambda *args: call_boxed(keyset, *args)
+
+
 def _install(dispatch_key: str, executor, wanted: list[str]) -> None:
+    for name in wanted:  # (before bnb_mps' own kernels take their place)
+        _capture_stock(dispatch_key, name)
     lib = torch.library.Library(NAMESPACE, "IMPL")
     try:
         with warnings.catch_warnings():
             # Replacing bitsandbytes' own MPS kernels is the point; PyTorch warns about overrides.
             warnings.simplefilter("ignore")
             for name in wanted:
-                lib.impl(name, _make_kernel(name, executor), dispatch_key)
+                lib.impl(name, _make_kernel(name, dispatch_key, executor), dispatch_key)
     except BaseException:
         lib._destroy()
         raise

@@ -8,18 +8,19 @@
 # compiles its embedded source instead, without the bfloat kernels.) At metal3.1 the kernels'
 # `#pragma METAL fp` lines (csrc/kernels/bnb_math_mode.h, Metal >= 3.2) are compiled out: safe math
 # comes from -fno-fast-math, an option of the offline compiler that the Metal Shading Language
-# specification documents (its "Compiler Options", math intrinsics options). No Apple document found
-# for this project lists -ffp-contract for the `metal` compiler, so it is not passed: contraction is
-# whatever -fno-fast-math leaves it. Where that matters the run time does better: from macOS 15 the
-# native library compiles the source at Metal 3.2 (pragmas applied, contraction off) instead of
-# loading this metallib (bnb_mps/executors/native.py, choose_library).
+# specification documents (its "Compiler Options", math intrinsics options), and no contraction from
+# the source's unconditional `#pragma clang fp contract(off)`. -ffp-contract=off, which no Apple
+# document found for this project lists for the `metal` compiler, is added as well where the probe
+# shows the toolchain accepts it (BNB_MPS_METAL_FLAGS then ends with it).
 set(BNB_MPS_METAL_STD "metal3.1")
 set(BNB_MPS_METAL_MACOS_MIN "14.0")
 set(BNB_MPS_METAL_FLAGS -std=${BNB_MPS_METAL_STD} -mmacosx-version-min=${BNB_MPS_METAL_MACOS_MIN} -fno-fast-math)
+set(BNB_MPS_METAL_NO_CONTRACT -ffp-contract=off)
 
 # bnb_mps_probe_metal_compiler(<ok_var> <why_var> <work_dir>)
 #   <ok_var> TRUE when `xcrun metal` and `xcrun metallib` build a library from a one-line kernel
-#   with BNB_MPS_METAL_FLAGS; otherwise FALSE and <why_var> says what failed.
+#   with BNB_MPS_METAL_FLAGS; otherwise FALSE and <why_var> says what failed. When the compiler
+#   also takes BNB_MPS_METAL_NO_CONTRACT, it is appended to BNB_MPS_METAL_FLAGS (in the caller's scope).
 function(bnb_mps_probe_metal_compiler ok_var why_var work_dir)
   file(MAKE_DIRECTORY "${work_dir}")
   file(WRITE "${work_dir}/probe.metal"
@@ -41,6 +42,12 @@ function(bnb_mps_probe_metal_compiler ok_var why_var work_dir)
     set(${ok_var} FALSE PARENT_SCOPE)
     set(${why_var} "xcrun metallib cannot link a one-line kernel (${_first})" PARENT_SCOPE)
     return()
+  endif()
+  execute_process(COMMAND xcrun -sdk macosx metal ${BNB_MPS_METAL_FLAGS} ${BNB_MPS_METAL_NO_CONTRACT} -c probe.metal
+                          -o probe_contract.air
+                  WORKING_DIRECTORY "${work_dir}" RESULT_VARIABLE _status OUTPUT_QUIET ERROR_QUIET)
+  if(_status EQUAL 0 AND EXISTS "${work_dir}/probe_contract.air")
+    set(BNB_MPS_METAL_FLAGS ${BNB_MPS_METAL_FLAGS} ${BNB_MPS_METAL_NO_CONTRACT} PARENT_SCOPE)
   endif()
   set(${ok_var} TRUE PARENT_SCOPE)
   set(${why_var} "" PARENT_SCOPE)

@@ -64,7 +64,9 @@ class KernelLibrary {
   // (where the source's `#pragma METAL fp` lines apply) and 3.1 on macOS 14 (see
   // compile_language_version). Throws std::runtime_error with the compiler's message on failure.
   // The Python side calls it once per compile unit (one .metal file with its includes inlined).
-  static std::shared_ptr<KernelLibrary> compile(const std::string& source);
+  // `version`: {0, 0} for the version compile_language_version() says, else exactly that Metal
+  // language version (std::invalid_argument where this SDK or OS has none).
+  static std::shared_ptr<KernelLibrary> compile(const std::string& source, std::pair<int, int> version = {0, 0});
 
   // Loads a .metallib built offline (xcrun metal). Throws std::runtime_error on failure.
   static std::shared_ptr<KernelLibrary> load_metallib(const std::string& path);
@@ -93,11 +95,15 @@ class KernelLibrary {
 
  private:
   explicit KernelLibrary(std::unique_ptr<Impl> impl);
+  // The body of launch(), run inside its autorelease pool.
+  void encode(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
+              const std::vector<KernelArg>& args);
   std::unique_ptr<Impl> impl_;
 };
 
-// The Metal language version KernelLibrary::compile requests on this OS, {major, minor}: {3, 2} from
-// macOS 15 on, {3, 1} on macOS 14, {0, 0} (the OS compiler's default) before.
+// The Metal language version KernelLibrary::compile requests here, {major, minor}: {3, 2} from macOS
+// 15 on when the module was built with the macOS 15 SDK or newer, {3, 1} on macOS 14 (and on every
+// macOS with an older SDK), {0, 0} (the OS compiler's default) before.
 std::pair<int, int> compile_language_version();
 
 // The kernel amalgamation embedded at build time (empty if the build saw no kernel files).

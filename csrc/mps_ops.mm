@@ -20,6 +20,7 @@
 
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
@@ -58,13 +59,14 @@ id<MTLDevice> metal_device() {
 
 // The Metal language version compile() requests, applied to `options` (when given) and returned as
 // {major, minor} ({0, 0}: the OS compiler's default, before macOS 14). What each gives:
-// - macOS 15 and later: Metal 3.2, which compiles the kernel source's `#pragma METAL fp
-//   math_mode(safe)` and `#pragma METAL fp contract(off)` (kernels/bnb_math_mode.h, Metal >= 3.2):
-//   safe math from both the pragmas and use_safe_math below, and no contraction of a * b + c into a
-//   fused multiply-add. MTLLanguageVersion3_2 exists from the macOS 15 SDK on (__MAC_15_0).
-// - macOS 14: Metal 3.1 (the first with bfloat), where those pragmas are compiled out: safe math
-//   from use_safe_math alone (fastMathEnabled = NO); contraction is what the compiler's safe mode
-//   allows (the optimizer update keeps its own no-contraction, kernels/optimizer.h).
+// - Metal 3.2, from macOS 15 on when this module was built with the macOS 15 SDK or newer
+//   (MTLLanguageVersion3_2 and __MAC_15_0 exist from that SDK on): the kernel source's `#pragma
+//   METAL fp math_mode(safe)` and `#pragma METAL fp contract(off)` (kernels/bnb_math_mode.h) apply,
+//   with use_safe_math below.
+// - Metal 3.1 (the first with bfloat) on macOS 14, and on every macOS with an older SDK: those
+//   pragmas are compiled out; safe math from use_safe_math alone (fastMathEnabled = NO).
+// At both, the source's unconditional `#pragma clang fp contract(off)` keeps a * b + c from being
+// contracted into a fused multiply-add, so both compute the same bits.
 // Not yet run on a Mac: the acceptance run (scripts/mac_acceptance.sh) is the check.
 std::pair<int, int> request_language_version(MTLCompileOptions* options) {
 #if defined(__MAC_15_0)
@@ -82,6 +84,35 @@ std::pair<int, int> request_language_version(MTLCompileOptions* options) {
     return {3, 1};
   }
   return {0, 0};
+}
+
+// Requests exactly Metal `version` (major, minor) of `options`: false where this SDK or OS has no
+// such MTLLanguageVersion (3.1 from macOS 14, 3.2 from 15, 4.0 from 26). For the acceptance run's
+// probes, which compare the same source at each version.
+bool set_language_version(MTLCompileOptions* options, std::pair<int, int> version) {
+  if (version == std::make_pair(3, 1)) {
+    if (@available(macOS 14.0, *)) {
+      options.languageVersion = MTLLanguageVersion3_1;
+      return true;
+    }
+  }
+#if defined(__MAC_15_0)
+  if (version == std::make_pair(3, 2)) {
+    if (@available(macOS 15.0, *)) {
+      options.languageVersion = MTLLanguageVersion3_2;
+      return true;
+    }
+  }
+#endif
+#if defined(__MAC_26_0)
+  if (version == std::make_pair(4, 0)) {
+    if (@available(macOS 26.0, *)) {
+      options.languageVersion = MTLLanguageVersion4_0;
+      return true;
+    }
+  }
+#endif
+  return false;
 }
 
 // Quantization must not depend on the compiler's math mode: no fast-math, precise functions.
@@ -124,30 +155,38 @@ struct KernelLibrary::Impl {
   }
 
   // The cached pipeline of `kernel`, created on first use. Creation happens under the lock: it is
-  // rare (once per kernel and process) and keeps two threads from compiling the same kernel.
+  // rare (once per kernel and process) and keeps two threads from compiling the same kernel. Errors
+  // are thrown after the autorelease pool is left (an exception must not unwind through one).
   id<MTLComputePipelineState> pipeline(const std::string& kernel) {
     std::lock_guard<std::mutex> lock(mutex);
     auto found = pipelines.find(kernel);
     if (found != pipelines.end()) {
       return found->second;
     }
+    id<MTLComputePipelineState> state = nil;
+    bool missing = false;
+    std::string error;
     @autoreleasepool {
       NSString* name = [NSString stringWithUTF8String:kernel.c_str()];
       id<MTLFunction> function = name != nil ? [library newFunctionWithName:name] : nil;
       if (function == nil) {
-        throw std::invalid_argument("kernel '" + kernel + "' is not in the bnb_mps kernel library (" +
-                                    origin + ")");
+        missing = true;
+      } else {
+        NSError* failure = nil;
+        state = [metal_device() newComputePipelineStateWithFunction:function error:&failure];
+        if (state == nil) {
+          error = describe(failure);
+        }
       }
-      NSError* error = nil;
-      id<MTLComputePipelineState> state = [metal_device() newComputePipelineStateWithFunction:function
-                                                                                        error:&error];
-      if (state == nil) {
-        throw std::runtime_error("cannot create the compute pipeline of kernel '" + kernel +
-                                 "': " + describe(error));
-      }
-      pipelines.emplace(kernel, state);
-      return state;
     }
+    if (missing) {
+      throw std::invalid_argument("kernel '" + kernel + "' is not in the bnb_mps kernel library (" + origin + ")");
+    }
+    if (state == nil) {
+      throw std::runtime_error("cannot create the compute pipeline of kernel '" + kernel + "': " + error);
+    }
+    pipelines.emplace(kernel, state);
+    return state;
   }
 };
 
@@ -176,43 +215,75 @@ KernelLibrary::KernelLibrary(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 
 KernelLibrary::~KernelLibrary() = default;
 
-std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source) {
+// Compiling and loading run with the GIL released (see the module below): they take a Metal
+// compiler's time. Errors are thrown after the autorelease pool is left.
+std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source, std::pair<int, int> version) {
   if (source.empty()) {
     throw std::invalid_argument("kernel source is empty");
   }
+  id<MTLLibrary> library = nil;
+  bool bad_text = false;
+  bool bad_version = false;
+  std::string error;
   @autoreleasepool {
     NSString* text = [[NSString alloc] initWithBytes:source.data()
                                               length:source.size()
                                             encoding:NSUTF8StringEncoding];
     if (text == nil) {
-      throw std::invalid_argument("kernel source is not valid UTF-8");
+      bad_text = true;
+    } else {
+      MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+      use_safe_math(options);
+      if (version.first == 0) {
+        request_language_version(options);  // 3.2 from macOS 15 on (the source's math-mode pragmas apply), else 3.1
+      } else {
+        bad_version = !set_language_version(options, version);
+      }
+      if (!bad_version) {
+        NSError* failure = nil;
+        library = [metal_device() newLibraryWithSource:text options:options error:&failure];
+        if (library == nil) {
+          error = describe(failure);
+        }
+      }
     }
-    MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    use_safe_math(options);
-    request_language_version(options);  // 3.2 from macOS 15 on (the source's math-mode pragmas apply), else 3.1
-    NSError* error = nil;
-    id<MTLLibrary> library = [metal_device() newLibraryWithSource:text options:options error:&error];
-    if (library == nil) {
-      throw std::runtime_error("the Metal compiler rejected the kernel source: " + describe(error));
-    }
-    return Impl::wrap(library, "source");
   }
+  if (bad_text) {
+    throw std::invalid_argument("kernel source is not valid UTF-8");
+  }
+  if (bad_version) {
+    throw std::invalid_argument("Metal " + std::to_string(version.first) + "." + std::to_string(version.second) +
+                                " is not available with this build's SDK on this macOS");
+  }
+  if (library == nil) {
+    throw std::runtime_error("the Metal compiler rejected the kernel source: " + error);
+  }
+  return Impl::wrap(library, "source");
 }
 
 std::shared_ptr<KernelLibrary> KernelLibrary::load_metallib(const std::string& path) {
+  id<MTLLibrary> library = nil;
+  bool bad_path = false;
+  std::string error;
   @autoreleasepool {
     NSString* ns_path = [NSString stringWithUTF8String:path.c_str()];
     if (ns_path == nil) {
-      throw std::invalid_argument("metallib path is not valid UTF-8");
+      bad_path = true;
+    } else {
+      NSError* failure = nil;
+      library = [metal_device() newLibraryWithURL:[NSURL fileURLWithPath:ns_path] error:&failure];
+      if (library == nil) {
+        error = describe(failure);
+      }
     }
-    NSError* error = nil;
-    id<MTLLibrary> library = [metal_device() newLibraryWithURL:[NSURL fileURLWithPath:ns_path]
-                                                         error:&error];
-    if (library == nil) {
-      throw std::runtime_error("cannot load " + path + ": " + describe(error));
-    }
-    return Impl::wrap(library, "metallib:" + path);
   }
+  if (bad_path) {
+    throw std::invalid_argument("metallib path is not valid UTF-8");
+  }
+  if (library == nil) {
+    throw std::runtime_error("cannot load " + path + ": " + error);
+  }
+  return Impl::wrap(library, "metallib:" + path);
 }
 
 const std::string& KernelLibrary::origin() const {
@@ -237,6 +308,23 @@ PipelineInfo KernelLibrary::pipeline_info(const std::string& kernel) {
 
 void KernelLibrary::launch(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
                            const std::vector<KernelArg>& args) {
+  // The whole launch runs in one autorelease pool (what it creates is released when it returns, not
+  // when some outer pool drains); an error is thrown only after the pool is left.
+  std::exception_ptr failure;
+  @autoreleasepool {
+    try {
+      encode(kernel, grid, threadgroup, args);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
+}
+
+void KernelLibrary::encode(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
+                           const std::vector<KernelArg>& args) {
   if (threadgroup[0] == 0 || threadgroup[1] == 0 || threadgroup[2] == 0) {
     throw std::invalid_argument("threadgroup of kernel '" + kernel + "' has a zero dimension");
   }
@@ -257,24 +345,22 @@ void KernelLibrary::launch(const std::string& kernel, const Dim3& grid, const Di
   // C++ exceptions must not unwind through a GCD block: catch inside, rethrow on this thread.
   __block std::exception_ptr failure;
   dispatch_sync(stream->queue(), ^() {
-    @autoreleasepool {
-      try {
-        id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
-        [encoder setComputePipelineState:state];
-        for (size_t i = 0; i < bound->size(); ++i) {
-          const KernelArg& arg = (*bound)[i];
-          if (arg.tensor.defined()) {
-            [encoder setBuffer:storage_buffer(arg.tensor)
-                        offset:static_cast<NSUInteger>(arg.tensor.storage_offset() * arg.tensor.element_size())
-                       atIndex:i];
-          } else {
-            [encoder setBytes:arg.bytes.data() length:arg.bytes.size() atIndex:i];
-          }
+    try {
+      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+      [encoder setComputePipelineState:state];
+      for (size_t i = 0; i < bound->size(); ++i) {
+        const KernelArg& arg = (*bound)[i];
+        if (arg.tensor.defined()) {
+          [encoder setBuffer:storage_buffer(arg.tensor)
+                      offset:static_cast<NSUInteger>(arg.tensor.storage_offset() * arg.tensor.element_size())
+                     atIndex:i];
+        } else {
+          [encoder setBytes:arg.bytes.data() length:arg.bytes.size() atIndex:i];
         }
-        [encoder dispatchThreadgroups:groups threadsPerThreadgroup:group_size];
-      } catch (...) {
-        failure = std::current_exception();
       }
+      [encoder dispatchThreadgroups:groups threadsPerThreadgroup:group_size];
+    } catch (...) {
+      failure = std::current_exception();
     }
   });
   if (failure) {
@@ -378,16 +464,28 @@ PYBIND11_MODULE(_native, m) {
 
   m.def(
       "compile_library",
-      [](const std::string& source) {
-        return translate_errors([&] { return bnb_mps::KernelLibrary::compile(source); });
+      [](const std::string& source, std::optional<std::pair<int, int>> language_version) {
+        std::shared_ptr<bnb_mps::KernelLibrary> library;
+        const std::pair<int, int> version = language_version.value_or(std::make_pair(0, 0));
+        {
+          py::gil_scoped_release no_gil;  // a Metal compile takes a while: other threads run meanwhile
+          library = translate_errors([&] { return bnb_mps::KernelLibrary::compile(source, version); });
+        }
+        return library;
       },
-      py::arg("source"),
-      "Compile MSL source (safe math; Metal 3.2 from macOS 15 on, else 3.1) into a KernelLibrary. "
+      py::arg("source"), py::arg("language_version") = py::none(),
+      "Compile MSL source (safe math; Metal 3.2 from macOS 15 on with the macOS 15 SDK, else 3.1; or exactly "
+      "`language_version`, (major, minor), for the acceptance probes) into a KernelLibrary. "
       "bnb_mps.executors.native calls it once per kernel compile unit.");
   m.def(
       "load_metallib",
       [](const std::string& path) {
-        return translate_errors([&] { return bnb_mps::KernelLibrary::load_metallib(path); });
+        std::shared_ptr<bnb_mps::KernelLibrary> library;
+        {
+          py::gil_scoped_release no_gil;
+          library = translate_errors([&] { return bnb_mps::KernelLibrary::load_metallib(path); });
+        }
+        return library;
       },
       py::arg("path"), "Load a .metallib built offline into a KernelLibrary.");
   m.def(

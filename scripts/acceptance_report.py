@@ -402,6 +402,65 @@ def verification_markdown(v: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def math_mode_markdown(probe: Optional[dict[str, Any]]) -> str:
+    """scripts/probe_math_mode.py's rows: per tier, Metal language version and source (the probes as
+    written, or behind bnb_math_mode.h as every bnb-mps kernel), with and without PYTORCH_MPS_FAST_MATH."""
+    if not probe or "rows" not in probe:
+        return "(not run)"
+    rows = []
+    for r in probe["rows"]:
+        env = "1" if r.get("fast_math_env") else "unset"
+        if "error" in r:
+            rows.append([r.get("tier"), r.get("metal"), r.get("source"), env, f"not run: {r['error']}", "", "", ""])
+            continue
+        mad, fma, sq = r["probe_mad"], r["probe_fma"], r["sqrt"]
+        rows.append([r["tier"], r["metal"], r["source"], env, f"{mad['contracted']} of {mad['distinguishing']}",
+                     f"{fma['contracted']} of {fma['distinguishing']}", f"{r['nan_is_nan']} of {r['n']}",
+                     f"{sq['unqualified_vs_precise_differ']} of {r['n']} (precise not correctly rounded: "
+                     f"{sq['precise_not_correctly_rounded']})"])  # fmt: skip
+    pinned = [r for r in probe["rows"] if r.get("source") == "pinned" and "probe_mad" in r]
+    contracted = sum(r["probe_mad"]["contracted"] for r in pinned)
+    summary = ("Expected: 0 contracted in every pinned row (bnb_math_mode.h), and the fma control fused in every "
+               f"row. Pinned rows: {len(pinned)}, contracted results in them: {contracted}.")
+    header = ["tier", "Metal", "source", "PYTORCH_MPS_FAST_MATH", "a*b+c contracted", "fma control fused",
+              "NaN != NaN true", "unqualified sqrt != precise::sqrt"]  # fmt: skip
+    return summary + "\n\n" + markdown_table(header, rows)
+
+
+def tuning_markdown(tune: Optional[dict[str, Any]], chart: Optional[str] = None) -> str:
+    """`python -m bnb_mps tune --json`: per weight shape and M, each route's time, the choice, the
+    built-in route, GB/s and share of peak at M = 1, TFLOPS from M = 64, and the reference rows."""
+    if not tune or "rows" not in tune:
+        return "(not run)" if not tune else f"(results {tune.get('error', 'incomplete')})"
+    order = ("gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes")
+    routes = [n for n in order if any(n in r["times"] for r in tune["rows"])]
+
+    def ms(t: Any) -> str:
+        return "-" if t is None else f"{t * 1e3:.4g}"
+
+    rows = []
+    for r in tune["rows"]:
+        times = [ms(r["times"][n]) + (" *" if n == r["choice"] else "") if n in r["times"]
+                 else ("error" if n in r.get("errors", {}) else "") for n in routes]  # fmt: skip
+        rows.append([r["shape"], r["M"], *times, r["choice"], r["default"],
+                     f"{r['gbps']:.1f}" if r.get("gbps") else "", f"{100 * r['share_of_peak']:.0f}%"
+                     if r.get("share_of_peak") else "", f"{r['tflops']:.2f}" if r.get("tflops") else "",
+                     ms(r.get("dense_fp16_linear")), ms(r.get("mlx_quantized_matmul"))])  # fmt: skip
+    head = (f"Tier {tune.get('tier')}, {tune.get('dtype')} activations, NF4 blocksize 64 with nested block scales; "
+            f"ms per call on the {'GPU' if tune.get('meaningful') else 'host'}'s clock (* the choice)."
+            + ("" if tune.get("meaningful") else " These host-clock times of emulated kernels mean nothing for a GPU."))
+    table = markdown_table(["N x K", "M", *routes, "choice", "built-in", "GB/s", "% peak", "TFLOPS",
+                            "fp16 linear (dense)", "MLX quantized_matmul"], rows)  # fmt: skip
+    errors = [f"- {r['shape']} M={r['M']} {n}: `{e}`" for r in tune["rows"] for n, e in r.get("errors", {}).items()]
+    parts = [head, "", table]
+    if errors:
+        parts += ["", "Routes that raised (dropped):", *errors]
+    parts += ["", f"Measured in {tune.get('seconds', 0):.1f} s in all."]
+    if chart:
+        parts += ["", f"![route times]({chart})"]
+    return "\n".join(parts)
+
+
 def _counts(b: dict[str, Any]) -> str:
     if not b:
         return "not run"
@@ -487,6 +546,9 @@ def render_markdown(r: dict[str, Any]) -> str:
             if len(failures) > 40:
                 out.append(f"- ... and {len(failures) - 40} more (see the pytest log)")
     out += ["", "## Kernel verification (python -m bnb_mps verify)", "", verification_markdown(r.get("verification", {}))]
+    out += ["", "## Float semantics on this GPU (scripts/probe_math_mode.py)", "", math_mode_markdown(r.get("math_mode"))]
+    out += ["", "## Tuning: the routes of 4-bit linear layers on this machine (python -m bnb_mps tune)", "",
+            tuning_markdown(r.get("tuning"), r.get("tuning_chart"))]
     out += ["", "## Benchmarks", ""]
     for name, bench in r["benchmarks"].items():
         out += [f"### {name}", "", bench["note"] if bench.get("note") else benchmark_markdown(bench.get("data")), ""]
@@ -541,6 +603,9 @@ def build_report(work: Path, dry_run: bool, repo: Path = REPO) -> dict[str, Any]
         "benchmarks": benchmarks,
         "verification": {"cold": read_benchmark(work / "verify_cold.json"),
                          "cached": read_benchmark(work / "verify_cached.json")},
+        "math_mode": read_benchmark(work / "probe_math_mode.json"),
+        "tuning": read_benchmark(work / "tune.json"),
+        "tuning_chart": "tune.png" if (work.parent / "tune.png").is_file() else None,
     }
     report["verdict"] = verdict(report)
     return report

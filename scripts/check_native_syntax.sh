@@ -5,7 +5,8 @@
 #   - the REAL torch headers of the Python in use (torch/extension.h, ATen/mps/MPSStream.h, ...),
 #   - stand-in Apple headers from tests/native_stubs/ (Foundation, Metal, GCD, MPS; see its README),
 #   - the kernel header generated exactly as the build generates it.
-# The macOS 15 branch (mathMode) is parsed too, by defining __MAC_15_0 as a newer SDK would.
+# The macOS 15 and 26 branches (mathMode, Metal 3.2 and 4.0) are parsed too, by defining __MAC_15_0 and
+# __MAC_26_0 as a newer SDK would.
 #
 # What this verifies: the file is well-formed Objective-C++/ARC; its PyTorch API use matches the
 # installed torch headers; its Metal/Foundation use matches the stand-in declarations.
@@ -39,7 +40,7 @@ trap 'rm -rf "$generated"' EXIT
 "$clangxx" -fsyntax-only -x objective-c++ -std=c++20 \
   -fobjc-arc -fobjc-runtime=macosx-14.0 -fblocks \
   -Werror -Wall -Wextra -Wno-unused-parameter \
-  -D__MAC_15_0=150000 \
+  -D__MAC_15_0=150000 -D__MAC_26_0=260000 \
   -DBNB_MPS_TORCH_VERSION='"syntax-check"' -DBNB_MPS_TORCH_CXX11_ABI=1 \
   -isystem "$root/tests/native_stubs" \
   -isystem "$torch_include" -isystem "$torch_include/torch/csrc/api/include" \

@@ -6,7 +6,8 @@
 # In a fresh virtual environment it installs torch for macOS arm64, bitsandbytes and bnb-mps
 # (built natively with --no-build-isolation, so the Objective-C++ executor compiles against that
 # torch), then runs `python -m bnb_mps`, the whole test suite including the `mps` tests on both GPU
-# tiers (native and shader), and the kernel benchmarks in their short mode. It writes
+# tiers (native and shader), the kernel benchmarks in their short mode, and `python -m bnb_mps tune`
+# for one model (the routes of its 4-bit layers measured on this GPU). It writes
 # acceptance-report.md (paste it into an issue) and acceptance-report.json into the current
 # directory or --out DIR; logs, junit.xml and benchmark JSON go to DIR/acceptance-work/.
 #
@@ -140,6 +141,15 @@ step "kernel verification (cached)" "$WORK/verify_cached.log" "" -- \
   env BNB_MPS_CACHE_DIR="$WORK/verify-cache" BNB_MPS_VERIFY_CACHE="$WORK/verify-cache/verify.json" \
     "$VPY" -m bnb_mps verify --cached --json "$WORK/verify_cached.json" || FAILED=1
 
+# What the Metal compiler does with the kernels' float arithmetic on this GPU: a*b + c contracted or
+# not, per tier and language version, bare and behind bnb_math_mode.h, and under
+# PYTORCH_MPS_FAST_MATH=1 in a fresh process (with NaN tests and sqrt). The dry run probes the emulator.
+PROBE_ARGS=()
+[ "$DRY" = 1 ] && PROBE_ARGS=(--tier emulated --n 1024)
+step "math mode probes" "$WORK/probe_math_mode.log" "" -- \
+  "$VPY" "$REPO/scripts/probe_math_mode.py" ${PROBE_ARGS[@]+"${PROBE_ARGS[@]}"} --json "$WORK/probe_math_mode.json" \
+  || FAILED=1
+
 step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
   "$VPY" "$REPO/scripts/bench_kernels.py" --short --json "$WORK/bench_kernels.json" \
     --chart "$OUT/bench_kernels.png" || FAILED=1
@@ -149,6 +159,17 @@ step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
 step "host cost per op call" "$WORK/bench_op_overhead.log" "" -- \
   "$VPY" "$REPO/scripts/bench_op_overhead.py" --native --rounds "$([ "$DRY" = 1 ] && echo 2 || echo 15)" \
     --calls "$([ "$DRY" = 1 ] && echo 50 || echo 2000)" --json "$WORK/bench_op_overhead.json" || FAILED=1
+
+# Tuning (bnb_mps.ops.tuning): every route of one model's 4-bit layers measured on this GPU as at
+# first use (kernel paths and variants, dequantize+linear, bitsandbytes' own), against dense fp16
+# linear and, where mlx is installed, MLX's quantized_matmul; the table and the chart go into the
+# report. Its own cache file, so the run measures afresh. The dry run measures a small shape on the
+# emulated tier (host-clock figures that mean nothing for a GPU).
+TUNE_ARGS=(--model Llama-3-8B)
+[ "$DRY" = 1 ] && TUNE_ARGS=(--tier emulated --shapes 64x128 --m 1,8,40)
+step "tuning (python -m bnb_mps tune)" "$WORK/tune.log" "${TUNE_ARGS[*]}" -- \
+  env BNB_MPS_TUNE_CACHE="$WORK/tune-cache.json" "$VPY" -m bnb_mps tune "${TUNE_ARGS[@]}" --json "$WORK/tune.json" \
+    --chart "$OUT/tune.png" || FAILED=1
 
 if [ -f "$REPO/scripts/bench_optimizers.py" ]; then
   step "optimizer benchmarks (short)" "$WORK/bench_optimizers.log" "" -- \

@@ -124,6 +124,17 @@ def test_benchmark_tables_for_every_format():
     assert "native tier, real launches on mps: not measured (the native tier does not serve here)" in md
 
 
+def test_tuning_table_in_the_report():
+    tune = {"tier": "native", "dtype": "float16", "meaningful": True, "seconds": 3.5, "rows": [
+        {"shape": "4096x4096", "M": 1, "times": {"gemv": 1.1e-4, "gemv/tglut": 1.0e-4, "mma": 3e-4}, "choice": "gemv/tglut",
+         "default": "gemv", "errors": {"batch": "RuntimeError: x"}, "gbps": 84.2, "share_of_peak": 0.7, "tflops": None,
+         "dense_fp16_linear": 2.9e-4, "mlx_quantized_matmul": None}]}  # fmt: skip
+    md = ar.tuning_markdown(tune, "tune.png")
+    assert "| 4096x4096 | 1 | 0.11 | 0.1 * | 0.3 | gemv/tglut | gemv | 84.2 | 70% |  | 0.29 | - |" in md
+    assert "- 4096x4096 M=1 batch: `RuntimeError: x`" in md and "![route times](tune.png)" in md
+    assert "on the GPU's clock" in md and ar.tuning_markdown(None) == "(not run)"
+
+
 def test_refuses_to_run_without_apple_silicon(tmp_path):
     if sys.platform == "darwin":
         pytest.skip("this is a Mac")
@@ -144,11 +155,17 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     md = (tmp_path / "acceptance-report.md").read_text()
     data = json.loads((tmp_path / "acceptance-report.json").read_text())
     assert data["dry_run"] and data["verdict"].startswith("DRY RUN passed")
-    assert [s["name"] for s in data["steps"]][:7] == ["create the venv and install bnb-mps", "python -m bnb_mps",
+    assert [s["name"] for s in data["steps"]][:8] == ["create the venv and install bnb-mps", "python -m bnb_mps",
                                                       "test suite", "kernel verification (cold)",
-                                                      "kernel verification (cached)", "kernel benchmarks (short)",
-                                                      "host cost per op call"]
-    assert all(s["status"] == 0 for s in data["steps"][:7])
+                                                      "kernel verification (cached)", "math mode probes",
+                                                      "kernel benchmarks (short)", "host cost per op call"]
+    assert all(s["status"] == 0 for s in data["steps"][:8])
+    # the float-semantics probes (the emulator here): every row rounds a*b + c twice, the fma control fuses
+    rows = data["math_mode"]["rows"]
+    assert {r["source"] for r in rows} == {"bare", "pinned"}
+    assert all(r["probe_mad"]["contracted"] == 0 and r["probe_fma"]["contracted"] == r["probe_fma"]["distinguishing"]
+               for r in rows)  # fmt: skip
+    assert "## Float semantics on this GPU" in md and "contracted results in them: 0" in md
     # First-use verification, cold then from the cache (the emulated tier here: no GPU tier).
     cold, cached = data["verification"]["cold"], data["verification"]["cached"]
     assert cold["tier"] == "emulated" and all(f["passed"] and not f["cached"] for f in cold["families"].values())
@@ -162,6 +179,11 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     assert overhead["mode"] == "host" and set(overhead["no_op_launch"]["rows"]) and "error" in overhead["native"]
     assert "op layer, kernel launch replaced by a no-op" in md and "native tier, real launches on mps: not measured" in md
     assert data["machine"]["torch"] and data["tiers"]["ops"]
+    # python -m bnb_mps tune on a small shape (the emulated tier here: host-clock times, said so)
+    tune = data["tuning"]
+    assert tune["tier"] == "emulated" and not tune["meaningful"] and [r["M"] for r in tune["rows"]] == [1, 8, 40]
+    assert "## Tuning" in md and "mean nothing for a GPU" in md and (tmp_path / "tune.png").is_file() == (
+        "![route times](tune.png)" in md)  # fmt: skip
     # bnb-mps ran from the new venv, installed there
     venv_site = tmp_path / "acceptance-work" / "venv"
     assert list(venv_site.glob("lib/python*/site-packages/_editable_skbc_bnb_mps.pth"))

@@ -94,12 +94,14 @@ PROBE = """
 include("{root}/csrc/metal_toolchain.cmake")
 bnb_mps_probe_metal_compiler(OK WHY "${{CMAKE_CURRENT_LIST_DIR}}/probe")
 message(STATUS "probe ok=${{OK}} why=${{WHY}}")
+message(STATUS "flags=${{BNB_MPS_METAL_FLAGS}}")
 """
 
 
-def fake_xcrun(tmp_path: Path, metal_works: bool) -> dict:
+def fake_xcrun(tmp_path: Path, metal_works: bool, takes_no_contract: bool = True) -> dict:
     """An `xcrun` that logs its arguments; `-f metal` always succeeds (as the real one does without
-    the Metal toolchain); compiling works only when `metal_works`."""
+    the Metal toolchain); compiling works only when `metal_works`, and with -ffp-contract=off only
+    when `takes_no_contract`."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     log = tmp_path / "xcrun.log"
@@ -107,10 +109,11 @@ def fake_xcrun(tmp_path: Path, metal_works: bool) -> dict:
         'for a; do out=$a; done; touch "$out"; exit 0' if metal_works else
         'echo "error: cannot execute tool \'metal\' due to missing Metal Toolchain" >&2; exit 1'
     )  # fmt: skip
+    refuse = "" if takes_no_contract else '  *" metal "*"-ffp-contract=off"*) echo "error: unknown argument" >&2; exit 1;;\n'
     executable(bindir / "xcrun", f"""echo "$@" >> {log}
 case "$*" in
   *"-f metal"*) echo /usr/bin/metal; exit 0;;
-  *" metal "*) {compile_branch};;
+{refuse}  *" metal "*) {compile_branch};;
   *" metallib "*) for a; do out=$a; done; touch "$out"; exit 0;;
 esac
 exit 1
@@ -128,6 +131,15 @@ def test_probe_compiles_a_kernel_with_the_build_flags(tmp_path):
                for c in calls), calls  # fmt: skip
     assert any(" metallib " in c for c in calls), calls
     assert (tmp_path / "probe" / "probe.metal").read_text().startswith("kernel void")
+    assert "flags=-std=metal3.1;-mmacosx-version-min=14.0;-fno-fast-math;-ffp-contract=off" in proc.stdout
+
+
+def test_probe_adds_no_contract_only_where_the_compiler_takes_it(tmp_path):
+    env, _ = fake_xcrun(tmp_path, metal_works=True, takes_no_contract=False)
+    proc = run_script(tmp_path, PROBE.format(root=ROOT), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "probe ok=TRUE" in proc.stdout
+    assert "flags=-std=metal3.1;-mmacosx-version-min=14.0;-fno-fast-math\n" in proc.stdout.replace("\r", "")
 
 
 def test_probe_fails_when_the_metal_toolchain_is_missing(tmp_path):

@@ -16,8 +16,10 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ import bitsandbytes  # noqa: E402,F401  (defines the ops)
 
 from bnb_mps import executors, ops, registration  # noqa: E402
 from bnb_mps.__main__ import main as cli  # noqa: E402
-from bnb_mps.demo import Options, data, qlora, run  # noqa: E402
+from bnb_mps.demo import Options, check, data, qlora, run  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning")
 
@@ -71,14 +73,31 @@ def demo_run(tmp_path_factory, name, device=None, **settings):
 
 
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    return demo_run(tmp_path_factory, "cpu", device="cpu", steps=6)
+def check_inputs() -> dict:
+    """What the cpu run's kernel check was given (the trained model, the evaluation batch, the prompt,
+    the stock sample), kept to recompute the check's figures outside the demo."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory, check_inputs):
+    real = check.emulated_check
+
+    def keep(model, eval_ids, prompt, stock_sample, suppress, pad_token_id, **kwargs):
+        check_inputs.update(model=model, eval_ids=eval_ids, prompt=prompt, stock_sample=stock_sample,
+                            suppress=suppress, pad_token_id=pad_token_id)  # fmt: skip
+        return real(model, eval_ids, prompt, stock_sample, suppress, pad_token_id, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(check, "emulated_check", keep)
+        return demo_run(tmp_path_factory, "cpu", device="cpu", steps=6)
 
 
 @pytest.fixture(scope="module")
 def emulated_run(tmp_path_factory):
     pytest.importorskip("bnb_mps._emu")
-    return demo_run(tmp_path_factory, "emulated", kernels="emulated", steps=3, max_new_tokens=4, seq_len=32)
+    return demo_run(tmp_path_factory, "emulated", kernels="emulated", steps=3, max_new_tokens=4, seq_len=32,
+                    kernel_check=False)  # fmt: skip
 
 
 def tiny_config() -> transformers.LlamaConfig:
@@ -207,6 +226,324 @@ def test_emulated_kernels_serve_the_4bit_ops_and_the_counts_are_exact(emulated_r
     assert "CPU" not in registration.registered_keys()  # the emulated tier is gone after the run
 
 
+# -- the kernel check: the trained model again on bnb-mps' kernels, against a recomputation ---------------
+
+CHECK_KEYS = {"tier", "ops", "kernels", "max_abs_logit_diff", "max_rel_logit_diff", "loss_stock", "loss_kernels",
+              "same_tokens", "seconds", "bound"}  # fmt: skip
+
+
+@dataclass
+class Recomputed:
+    """The check's runs repeated here, with the test's own code: the stock run (bitsandbytes' CPU
+    code) and the kernel run (bnb-mps' kernels under the emulator) of the evaluation batch and the
+    greedy sample, and every 4-bit product of the kernel run against docs/semantics.md's reference."""
+
+    loss_stock: float
+    loss_kernels: float
+    logits_stock: torch.Tensor
+    logits_kernels: torch.Tensor
+    tokens_stock: torch.Tensor
+    tokens_kernels: torch.Tensor
+    steps_stock: torch.Tensor  # [tokens, vocabulary]: the logits each greedy token was chosen from
+    steps_kernels: torch.Tensor
+    launched: set
+    products: int = 0
+    values: int = 0
+    values_beyond: int = 0
+    worst_ulps: float = 0.0
+
+
+def _greedy(model, inputs, n, suppress, pad_token_id):
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, suppress_tokens=suppress,
+                             pad_token_id=pad_token_id, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    return out.sequences[0, inputs["input_ids"].shape[1] :], torch.cat(out.logits).float()
+
+
+def _forward(model, ids):
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+    return float(out.loss), out.logits.float()
+
+
+@contextlib.contextmanager
+def measured_products(model, into: Recomputed):
+    """Forward hooks on the 4-bit layers: each product against torch's float32 linear of the weight
+    dequantized as docs/semantics.md section 3 says (tests/reference_matmul_4bit), in float32 ulps of
+    sum |a*w|; more than fp32_ulps(K) counts as beyond the section 4 target."""
+    import bitsandbytes as bnb
+    import reference_matmul_4bit as R
+
+    weights = {}
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            weights[m] = R.dequantized_weight(m.weight.data, qs.shape, qs.blocksize, qs.quant_type, qs.state2.absmax,
+                                              qs.absmax, qs.state2.code, qs.offset)  # fmt: skip
+
+    def hook(m, inputs, y):
+        x = inputs[0].detach()
+        W = weights[m]
+        stock = torch.nn.functional.linear(x, torch.from_numpy(W)).double().numpy()
+        ulps = np.abs(y.detach().double().numpy() - stock) / R.ulp32(R.magnitude(x, W))
+        into.products += 1
+        into.values += ulps.size
+        into.values_beyond += int((ulps > R.fp32_ulps(x.shape[-1])).sum())
+        into.worst_ulps = max(into.worst_ulps, float(ulps.max()))
+
+    handles = [m.register_forward_hook(hook) for m in weights]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.fixture(scope="module")
+def recomputed(cpu_run, check_inputs) -> Recomputed:
+    from bnb_mps.testing import use_emulated_kernels
+
+    summary = cpu_run[0]
+    if "skipped" in summary["kernel_check"]:
+        pytest.importorskip("bnb_mps._emu")  # no emulator here: the check had to skip (tested below)
+        pytest.fail(f"the kernel check did not run: {summary['kernel_check']['skipped']}")
+    c = check_inputs
+    model, ids, prompt, n = c["model"], c["eval_ids"], c["prompt"], len(c["stock_sample"].tokens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(summary["cpu_threads"])  # as in the demo: the CPU's float sums depend on it
+    try:
+        model.eval()
+        loss_s, logits_s = _forward(model, ids)
+        tokens_s, steps_s = _greedy(model, prompt, n, c["suppress"], c["pad_token_id"])
+        with use_emulated_kernels() as kernels:
+            got = Recomputed(loss_s, math.nan, logits_s, None, tokens_s, None, steps_s, None, set())
+            with measured_products(model, got):
+                got.loss_kernels, got.logits_kernels = _forward(model, ids)
+                got.tokens_kernels, got.steps_kernels = _greedy(model, prompt, n, c["suppress"], c["pad_token_id"])
+        got.launched = set(kernels.launched)
+    finally:
+        torch.set_num_threads(threads)
+    return got
+
+
+def test_kernel_check_reports_the_kernels_that_served(cpu_run, recomputed):
+    summary, out, _, stdout = cpu_run
+    kc = summary["kernel_check"]
+    assert set(kc) == CHECK_KEYS and kc["tier"] == "emulated"
+    assert json.loads((out / "summary.json").read_text(encoding="utf-8"))["kernel_check"] == kc
+    # One 4-bit product per 4-bit layer and forward: the evaluation batch, then one forward per greedy token.
+    layers = expected_weight_bytes(tiny_config(), 4)[2]
+    assert kc["ops"] == {"gemm_4bit": layers * (1 + 12)}
+    # The kernels the recomputation launched (the batch's mma path and the decode's gemv path), all of
+    # them kernels of the project's library.
+    from bnb_mps.executors import emulated
+
+    assert set(kc["kernels"]) == recomputed.launched <= set(emulated.unit_libraries().kernels)
+    assert any("mma" in k for k in kc["kernels"]) and any("gemv" in k for k in kc["kernels"])
+    assert 0 < kc["seconds"] < 600
+    for needle in ("kernel check", "gemm_4bit", kc["kernels"][0], f"{kc['loss_stock']:.6f} stock",
+                   check.SOURCE, "allowed"):  # fmt: skip
+        assert needle in stdout
+
+
+def test_kernel_check_figures_match_their_recomputation(cpu_run, check_inputs, recomputed):
+    """The stock forward and the kernels' own forward, repeated outside the demo, give the losses,
+    tokens and logit differences the summary reports, bit for bit (same model, inputs and threads)."""
+    summary = cpu_run[0]
+    kc, r = summary["kernel_check"], recomputed
+    assert (kc["loss_stock"], kc["loss_kernels"]) == (r.loss_stock, r.loss_kernels)
+    # the check's stock sample is the summary's "after training" sample, greedy
+    tok = data.char_tokenizer(data.corpus_text())
+    assert summary["sample_after"] == qlora.PROMPT + tok.decode(r.tokens_stock)
+    assert torch.equal(check_inputs["stock_sample"].tokens, r.tokens_stock)
+    assert kc["same_tokens"] == torch.equal(r.tokens_kernels, r.tokens_stock)
+    assert kc["same_tokens"], "the kernels' greedy sample differs from the stock one"
+    d_eval = (r.logits_kernels.double() - r.logits_stock.double()).abs()
+    d_steps = (r.steps_kernels.double() - r.steps_stock.double()).abs()
+    assert kc["max_abs_logit_diff"] == max(d_eval.max().item(), d_steps.max().item())
+    rel = [(d.amax(-1) / want.double().abs().amax(-1)).max().item()
+           for d, want in ((d_eval, r.logits_stock), (d_steps, r.steps_stock))]  # fmt: skip
+    assert kc["max_rel_logit_diff"] == pytest.approx(max(rel), rel=1e-12)
+    assert kc["max_abs_logit_diff"] > 0  # two float32 summation orders: some logit differs somewhere
+    assert abs(kc["loss_kernels"] - kc["loss_stock"]) <= 1e-5 * kc["loss_stock"]
+
+
+def test_kernel_check_bound_is_docs_semantics_section_4(cpu_run, check_inputs, recomputed):
+    """Every 4-bit product of the kernel run, measured here against the section 3 weight: the figures
+    of the bound; the logit difference lies within the allowed one, whose size a perturbation made
+    here confirms; the greedy gap is the stock sample's."""
+    import reference_matmul_4bit as R
+
+    b, r = cpu_run[0]["kernel_check"]["bound"], recomputed
+    kc = cpu_run[0]["kernel_check"]
+    assert b["source"] == "docs/semantics.md section 4" and b["compute_dtype"] == "float32"
+    assert b["product_ulps"] == R.fp32_ulps(tiny_config().intermediate_size) == 4
+    assert (b["products_measured"], b["values_measured"], b["values_beyond"]) == (r.products, r.values,
+                                                                                  r.values_beyond)  # fmt: skip
+    assert b["max_product_ulps"] == pytest.approx(r.worst_ulps, rel=1e-9)
+    assert 0 < r.worst_ulps and r.values_beyond <= r.values // 1000  # a few ulps, as section 4 says
+    # the claim the check makes: the logits differ by no more than the stated accuracy explains
+    assert b["logits_within"] is True
+    assert kc["max_abs_logit_diff"] <= b["max_abs_logit_diff"] and kc["max_rel_logit_diff"] <= b["max_rel_logit_diff"]
+    # The allowed difference is what products off by 4 ulps of sum |a*w| make of the logits: an own
+    # perturbation (random signs, its own generator) moves them by as much, within a factor of 3.
+    moved = perturbed_logits(check_inputs["model"], check_inputs["eval_ids"], cpu_run[0]["cpu_threads"])
+    own = (moved.double() - r.logits_stock.double()).abs().max().item()
+    assert own / 3 <= b["max_abs_logit_diff"] <= 3 * own, (own, b["max_abs_logit_diff"])
+    # the greedy gap, from the stock sample's logits (special tokens are never chosen)
+    allowed = r.steps_stock.clone()
+    allowed[:, check_inputs["suppress"]] = -math.inf
+    top2 = allowed.topk(2, dim=-1).values
+    gaps = top2[:, 0] - top2[:, 1]
+    assert b["greedy_min_gap"] == gaps.min().item() and b["greedy_min_gap_token"] == int(gaps.argmin()) + 1
+    assert b["could_change_a_token"] or b["greedy_min_gap"] > 2 * b["max_abs_logit_diff"]
+
+
+def perturbed_logits(model, ids, threads: int) -> torch.Tensor:
+    """The stock forward with every 4-bit product moved by fp32_ulps(K) float32 ulps of its sum |a*w|,
+    with random signs."""
+    import bitsandbytes as bnb
+    import reference_matmul_4bit as R
+
+    g = np.random.default_rng(1234)
+
+    def hook(m, inputs, y):
+        qs = m.weight.quant_state
+        W = R.dequantized_weight(m.weight.data, qs.shape, qs.blocksize, qs.quant_type, qs.state2.absmax, qs.absmax,
+                                 qs.state2.code, qs.offset)  # fmt: skip
+        x = inputs[0].detach()
+        delta = R.fp32_ulps(x.shape[-1]) * R.ulp32(R.magnitude(x, W)) * g.choice([-1.0, 1.0], size=y.shape)
+        return (y.double() + torch.from_numpy(delta)).float()
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _forward(model, ids)[1]
+    finally:
+        torch.set_num_threads(saved)
+        for h in handles:
+            h.remove()
+
+
+def test_no_kernel_check_leaves_none(emulated_run):
+    summary, _, _, stdout = emulated_run
+    assert "kernel_check" not in summary and "kernel check" not in stdout
+
+
+def test_no_kernel_check_flag():
+    import argparse
+
+    from bnb_mps import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert parser.parse_args([]).kernel_check is True and Options().kernel_check is True
+    assert parser.parse_args(["--no-kernel-check"]).kernel_check is False
+
+
+def test_kernel_check_says_in_one_line_that_it_cannot_run_without_a_compiler(tmp_path, fresh_tier_selection):
+    """No C++ compiler: the emulator cannot build the kernels, so the check is skipped with one line (and
+    never reaches the model, here a stand-in that would fail)."""
+    pytest.importorskip("bnb_mps._emu")
+    from bnb_mps import emulator
+    from bnb_mps.emulator import build
+    from bnb_mps.msl import source
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(Path(source.kernel_dir()), kernels)
+    for unit in kernels.glob("*.metal"):  # another source text: every unit is compiled anew
+        unit.write_text(unit.read_text() + "\n// compiled anew\n")
+    fresh_tier_selection.setenv(source.KERNEL_DIR_ENV, str(kernels))
+
+    def no_compiler(compiler=None):
+        raise emulator.CompileError("no C++ compiler found (tried c++, g++, clang++); set BNB_MPS_EMU_CXX")
+
+    fresh_tier_selection.setattr(build, "find_compiler", no_compiler)
+    said: list[str] = []
+    result, lines = check.emulated_check(object(), None, None, None, [], 0, quiet=True,
+                                         say=lambda *lines: said.extend(lines))  # fmt: skip
+    assert result == {"skipped": result["skipped"]} and "no C++ compiler found" in result["skipped"]
+    assert "\n" not in result["skipped"] and len(lines) == 1 and result["skipped"] in lines[0]
+    assert said[-1].strip() == f"skipped: {result['skipped']}"
+
+
+def test_kernel_check_that_fails_does_not_fail_the_demo():
+    pytest.importorskip("bnb_mps._emu")
+    said: list[str] = []
+    result, lines = check.emulated_check(object(), None, None, None, [], 0, quiet=True,
+                                         say=lambda *lines: said.extend(lines))  # fmt: skip
+    assert said[-1].strip() == f"skipped: {result['skipped']}"
+    assert result["skipped"].startswith("the check failed: ") and len(lines) == 1
+
+
+# -- the kernel check on a Mac: the first-use verification verdicts ------------------------------------------
+
+
+@pytest.fixture
+def emulated_verification(fresh_tier_selection, tmp_path):
+    """A verification cache of its own and no verdicts in memory; the emulated tier stands for a Mac's."""
+    from bnb_mps.ops import verify
+
+    pytest.importorskip("bnb_mps._emu")
+    fresh_tier_selection.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
+    fresh_tier_selection.delenv(verify.ENV_VAR, raising=False)
+    verify.reset()
+    yield fresh_tier_selection
+    verify.reset()
+
+
+def test_gpu_verdicts_are_those_of_first_use(emulated_verification):
+    """The verdicts of the families behind the ops the run used, as first use made them (run, then
+    read from the cache in a later process), with their lines in the summary."""
+    from bnb_mps.ops import verify
+
+    executor = executors.load_tier("emulated")
+    used = ["quantize_4bit", "dequantize_4bit", "gemm_4bit"]
+    first = check.gpu_verdicts("emulated", executor, used)
+    families = ["nf4_fp4", "matmul_4bit_gemv", "matmul_4bit_batch", "matmul_4bit_mma"]
+    assert first["tier"] == "emulated" and list(first["verdicts"]) == families
+    # run now (a fresh cache), and written to the cache as first use writes them
+    written = {family: entry for entries in json.loads(verify.cache_path().read_text()).values()
+               for family, entry in entries.items()}  # fmt: skip
+    for family, v in first["verdicts"].items():
+        assert (v["passed"], v["cached"], v["result"]) == (True, False, "passed")
+        assert written[family]["passed"] is True and v["seconds"] == written[family]["seconds"] > 0
+        assert v["launches"] == written[family]["launches"] > 0
+    verify.reset()  # a later process: read from the cache
+    later = check.gpu_verdicts("emulated", executor, used)
+    assert all(v["cached"] and v["passed"] for v in later["verdicts"].values())
+    lines = check.gpu_report_lines(later)
+    assert "emulated tier" in lines[0] and all("read from the cache" in line for line in lines[1 : 1 + len(families)])
+    import bnb_mps
+
+    assert later["tuning"] == bnb_mps.tuning_table()  # the tuning choices of this process, as they stand
+    assert lines[1 + len(families)] == f"    tuning           {len(later['tuning'])} choices"
+
+
+def test_tuning_choices_are_one_line_each():
+    entry = {"op": "gemm_4bit", "key": "f16 N=4096 K=4096 bs=64 nf4 nested M<=1", "choice": "gemv/tglut",
+             "default": "gemv", "times": {"gemv": 1e-4, "gemv/tglut": 9e-5}, "cached": True}  # fmt: skip
+    lines = check.gpu_report_lines({"tier": "native", "verdicts": {}, "tuning": [entry]})
+    assert lines[-2:] == ["    tuning           1 choices",
+                          "      gemm_4bit f16 N=4096 K=4096 bs=64 nf4 nested M<=1: gemv/tglut (built-in: gemv) (cached)"]
+
+
+def test_gpu_verdicts_show_verification_off_and_tuning(emulated_verification):
+    """BNB_MPS_VERIFY=0: no verdicts, and the summary says so; a tuning table (a later bnb-mps' API)
+    is shown where the package has one."""
+    import bnb_mps
+
+    emulated_verification.setenv("BNB_MPS_VERIFY", "0")
+    choices = {f"gemm_4bit M={m} N=384 K=128": "mma" for m in range(12)}
+    emulated_verification.setattr(bnb_mps, "tuning_table", lambda: choices, raising=False)
+    found = check.gpu_verdicts("emulated", executors.load_tier("emulated"), ["gemm_4bit"])
+    assert "verdicts" not in found and "BNB_MPS_VERIFY=0" in found["verification"]
+    assert found["tuning"] == choices
+    lines = check.gpu_report_lines(found)
+    assert any("12 choices" in line for line in lines) and any("all of them in summary.json" in line for line in lines)
+
+
 # -- the command line ----------------------------------------------------------------------------------
 
 
@@ -315,6 +652,20 @@ def test_demo_on_mps(tmp_path_factory):
             assert n == calls[base], (base, n, calls[base])
     assert summary["memory"]["allocated"] is not None
     assert (out / "demo_loss.png").exists() and "summary" in stdout
+    # The kernel check on a Mac: no second run, the first-use verdicts of the families the run used.
+    from bnb_mps.ops import verify
+
+    kc = summary["kernel_check"]
+    sel = executors.selection()
+    if sel.executor is None:
+        assert "no bnb-mps GPU tier" in kc["skipped"]
+        return
+    assert kc["tier"] == sel.tier and "max_abs_logit_diff" not in kc
+    used = {name for name, row in summary["ops"].items() if row["tier"] == sel.tier}
+    assert set(kc["verdicts"]) == {f for name in used for f in verify.families_of(name)}
+    for family, v in kc["verdicts"].items():
+        assert v["passed"] and v["launches"] > 0, (family, v)
+        assert f"{family}" in stdout
 
 
 def test_shell_entry_point_runs_the_demo_module():

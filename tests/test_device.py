@@ -472,7 +472,27 @@ def _training_arguments_names():
     return fields, optims
 
 
-KEYS = {"optim", "fp16", "bf16", "dataloader_pin_memory", "gradient_checkpointing", "gradient_accumulation_steps"}
+KEYS = {"optim", "fp16", "bf16", "dataloader_pin_memory", dev.checkpointing_field(), "gradient_accumulation_steps"}
+
+
+def test_checkpointing_goes_by_the_name_the_installed_transformers_takes(tmp_path):
+    """transformers 5.24 deprecates `gradient_checkpointing` (a FutureWarning now, an error in v6):
+    the config's fields build TrainingArguments with warnings as errors, on every device."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    field = dev.checkpointing_field()
+    assert field == "activation_checkpointing"  # (constraints.txt pins transformers 5.24)
+    cfg = dev.training_config("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), **cfg)
+    assert args.activation_checkpointing is False
+    mps = {**dev.training_config("mps"), "bf16": False, "optim": "adamw_torch"}  # (no bf16 CPU here)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), **mps)
+    assert args.activation_checkpointing is True and args.gradient_accumulation_steps == 4
 
 
 def test_training_config_cpu():
@@ -506,7 +526,7 @@ def test_training_config_mps_optimizer_follows_tier(monkeypatch, tier, paged, op
     cfg = dev.training_config("mps")
     assert cfg["optim"] == optim
     assert cfg["fp16"] is False and cfg["dataloader_pin_memory"] is False
-    assert cfg["gradient_checkpointing"] is True and cfg["gradient_accumulation_steps"] > 1
+    assert cfg[dev.checkpointing_field()] is True and cfg["gradient_accumulation_steps"] > 1
 
 
 def test_paged_optimizers_on_mps_follows_the_hook():

@@ -236,7 +236,9 @@ def fake_native_module(tmp_path, *, embedded="EMB", metallib_ok=True, compile_er
         calls.append(("metallib", path))
         if not metallib_ok:
             raise RuntimeError("cannot load: Invalid library file")
-        return RecordingLibrary()
+        library = RecordingLibrary()
+        library.origin = "metallib:" + path
+        return library
 
     def compile_library(source):
         calls.append(("compile", source))
@@ -361,8 +363,46 @@ def test_the_compile_requests_metal_3_2_from_macos_15_and_3_1_on_macos_14():
     body = body[: body.index("\n}\n")]
     at15, at14 = body.index("@available(macOS 15.0, *)"), body.index("@available(macOS 14.0, *)")
     assert at15 < body.index("MTLLanguageVersion3_2") < at14 < body.index("MTLLanguageVersion3_1")
-    compile_body = text[text.index("KernelLibrary::compile(const std::string& source) {"):]
+    compile_body = text[text.index("KernelLibrary::compile(const std::string& source, std::pair<int, int> version) {"):]
     assert "request_language_version(options);" in compile_body[: compile_body.index("\n}\n")]
+
+
+def _blocks(text: str, opener: str) -> list[str]:
+    """The brace-delimited bodies that follow each `opener` in `text`."""
+    bodies = []
+    at = text.find(opener)
+    while at >= 0:
+        start = text.index("{", at)
+        depth = 0
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        bodies.append(text[start : end + 1])
+        at = text.find(opener, end)
+    return bodies
+
+
+def test_the_native_layer_throws_only_outside_autorelease_pools():
+    """An exception unwinding through @autoreleasepool skips the pool's drain (ARC does not clean up
+    for exceptions by default): every throw in csrc/mps_ops.mm comes after its pool is left, and
+    the whole launch runs inside one pool."""
+    text = (ROOT / "csrc" / "mps_ops.mm").read_text()
+    pools = _blocks(text, "@autoreleasepool")
+    assert len(pools) >= 5
+    for body in pools:
+        assert "throw " not in body and "rethrow_exception" not in body, body[:200]
+    launch = text[text.index("void KernelLibrary::launch("):]
+    launch = launch[: launch.index("\n}\n")]
+    assert "@autoreleasepool" in launch and "encode(kernel, grid, threadgroup, args);" in launch
+
+
+def test_compiling_and_loading_release_the_gil():
+    text = (ROOT / "csrc" / "mps_ops.mm").read_text()
+    for name in ('"compile_library"', '"load_metallib"'):
+        binding = text[text.index(name):]
+        binding = binding[: binding.index("py::arg(")]
+        assert "py::gil_scoped_release" in binding, name
 
 
 @pytest.mark.parametrize("width", [32, 64, 16])
@@ -383,6 +423,28 @@ def test_a_gpu_with_another_simd_width_disables_the_tier(tmp_path, monkeypatch, 
     else:
         with pytest.raises(ExecutorUnavailable, match=f"SIMD width of {width}.*written for 32"):
             native.load()
+
+
+@pytest.mark.parametrize("metallib, runtime, expected",
+                         [(True, (3, 1), (3, 1)), (False, (3, 2), (3, 2)), (True, (3, 2), (3, 2)),
+                          (False, None, None)])  # fmt: skip
+def test_load_records_the_language_version_the_kernels_were_compiled_at(tmp_path, monkeypatch, metallib, runtime,
+                                                                        expected):  # fmt: skip
+    """The metallib is Metal 3.1; the run-time compile is whatever the module requests (3.2 only from
+    macOS 15 with a module built with the macOS 15 SDK or newer; None: the OS compiler's default)."""
+    version, abi = native.running_torch()
+    write_record(tmp_path / native.BUILD_RECORD, version, int(abi))
+    module, _ = fake_native_module(tmp_path, embedded="CURRENT", language_version=runtime)
+    module.BUILT_WITH_TORCH, module.BUILT_WITH_CXX11_ABI = version, abi
+    if metallib:
+        (tmp_path / native.METALLIB_NAME).write_bytes(b"MTLB")
+    monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=module.__file__))
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: module)
+    installed(monkeypatch, UNITS)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    ex = native.load()
+    assert ex.language_version == expected
+    assert ex.origin.startswith("metallib") == (metallib and runtime != (3, 2))
 
 
 def test_a_compile_error_disables_the_tier_with_the_compiler_message(tmp_path, monkeypatch):

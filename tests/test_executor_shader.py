@@ -462,9 +462,23 @@ def test_fast_math_is_requested_as_torch_reads_the_variable(value, fast):
     assert shader.fast_math_requested(environ) is fast
 
 
+def test_the_variable_is_read_once_per_process_as_torch_does(monkeypatch):
+    """torch keeps what it read at its first Metal compile: a later change of the variable in the
+    same process changes nothing there, and nothing in bnb_mps' reading either."""
+    monkeypatch.setattr(shader, "_process_fast_math", None)  # a fresh process
+    monkeypatch.setenv(shader.FAST_MATH_ENV, "1")
+    assert shader.fast_math_requested() is True
+    monkeypatch.setenv(shader.FAST_MATH_ENV, "0")
+    assert shader.fast_math_requested() is True
+    monkeypatch.setattr(shader, "_process_fast_math", None)
+    monkeypatch.delenv(shader.FAST_MATH_ENV)
+    assert shader.fast_math_requested() is False
+
+
 def _fast_math_warnings(monkeypatch, macos, version, value, loads=2):
     """FastMathWarnings of `loads` shader loads in one (pretend) process on that macOS and torch."""
     monkeypatch.setattr(shader, "_fast_math_warned", False)  # a fresh process
+    monkeypatch.setattr(shader, "_process_fast_math", None)
     monkeypatch.setattr(shader, "_macos_version", lambda: macos)
     monkeypatch.setattr(torch, "__version__", version)
     if value is None:

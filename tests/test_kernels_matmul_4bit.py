@@ -29,9 +29,11 @@ bnb_functional = pytest.importorskip("bitsandbytes.functional")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def run_gemm(executor, case: Case) -> dict:
+def run_gemm(executor, case: Case, route=None) -> dict:
+    """The product through the op layer (its built-in kernel path, or the kernel path `route`)."""
     A, args, W, bias = gemm_args(case)
-    y = call(OPS["gemm_4bit"], tuple(args), {}, executor)
+    y = call(OPS["gemm_4bit"], tuple(args), {}, executor) if route is None else matmul_4bit.gemm_4bit(
+        executor, *args, route=route)
     assert y.shape == (*A.shape[:-1], case.N) and y.dtype == case.dtype and y.is_contiguous()
     return R.check_accuracy(y.reshape(-1, case.N), A.reshape(-1, case.K), W, bias)
 
@@ -67,11 +69,10 @@ def test_all_orders(library, path, dtype, nested):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_threadgroup_table_variant_all_orders(library, dtype, monkeypatch):
-    monkeypatch.setattr(matmul_4bit, "GEMV_TABLE", "threadgroup")
+def test_threadgroup_table_variant_all_orders(library, dtype):
     for nested in (False, True):
         ex = EmulatedExecutor(library, checked=True)
-        run_gemm(ex, Case(1, 19, 96, dtype=dtype, nested=nested, bias=True, quant_type="fp4", seed=4))
+        run_gemm(ex, Case(1, 19, 96, dtype=dtype, nested=nested, bias=True, quant_type="fp4", seed=4), "gemv/tglut")
         assert ex.launched == [f"bnb_gemv_4bit_tglut_{'nested' if nested else 'absmax'}_{DT[dtype]}"]
 
 
@@ -253,14 +254,21 @@ def test_accuracy_against_float64(library, M, dtype):
 # reference rounded once to float32, whatever its order of summation; scale * fl32(a1 * t1 + a2 * t2)
 # is another number for many weight rows.
 
-ROUNDING_SHAPES = {  # path -> (M, N, K), kernel
+ROUNDING_SHAPES = {  # path -> (M, N, K), kernel (the built-in path of that shape, or "gemv/tglut")
     "gemv": ((1, 48, 256), "bnb_gemv_4bit"),
-    "gemv-tglut": ((1, 48, 256), "bnb_gemv_4bit_tglut"),
+    "gemv/tglut": ((1, 48, 256), "bnb_gemv_4bit_tglut"),
     "batch": ((5, 48, 176), "bnb_gemm_4bit_batch"),
     "batch-M1": ((1, 48, 48), "bnb_gemm_4bit_batch"),  # K % 32 == 16
     "mma": ((40, 48, 128), "bnb_gemm_4bit_mma"),
     "mma-any-K": ((3, 48, 45), "bnb_gemm_4bit_mma"),
 }
+
+
+def gemm_on(path: str, executor, args: tuple) -> torch.Tensor:
+    """gemm_4bit through the op layer: its built-in path, or the route "gemv/tglut"."""
+    if path == "gemv/tglut":
+        return matmul_4bit.gemm_4bit(executor, *args, route=path)
+    return call(OPS["gemm_4bit"], args, {}, executor)
 
 
 def two_term_rows(M: int, K: int, seed: int) -> torch.Tensor:
@@ -287,10 +295,8 @@ def scale_factored(A: torch.Tensor, t: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("path", list(ROUNDING_SHAPES))
-def test_terms_are_products_of_the_dequantized_weights(library, path, nested, monkeypatch):
+def test_terms_are_products_of_the_dequantized_weights(library, path, nested):
     (M, N, K), kernel = ROUNDING_SHAPES[path]
-    if path == "gemv-tglut":
-        monkeypatch.setattr(matmul_4bit, "GEMV_TABLE", "threadgroup")
     r = np.random.default_rng(K + nested)
     bs = 32 if K % 32 == 0 else 64
     nblocks = math.ceil(N * K / bs)
@@ -305,7 +311,7 @@ def test_terms_are_products_of_the_dequantized_weights(library, path, nested, mo
     A = two_term_rows(M, K, seed=M + K)
     ex = EmulatedExecutor(library, order="random", seed=K)
     for quant_type in ("nf4", "fp4"):
-        y = call(OPS["gemm_4bit"], (A, packed, [N, K], absmax, bs, quant_type, None, *nested_args), {}, ex)
+        y = gemm_on(path, ex, (A, packed, [N, K], absmax, bs, quant_type, None, *nested_args))
         weight = (packed, (N, K), bs, quant_type, absmax, *nested_args)
         want = R.matmul(A, R.dequantized_weight(*weight)).astype(np.float32)  # float64 sum, rounded once
         assert torch.equal(y, torch.from_numpy(want)), f"{quant_type}: {(y.numpy() != want).sum()} outputs differ"
@@ -316,7 +322,7 @@ def test_terms_are_products_of_the_dequantized_weights(library, path, nested, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("path", ["gemv", "batch", "mma"])
+@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "mma"])
 def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
     """float16 / bfloat16 activations multiply the weight as dequantize_4bit gives it in their dtype,
     T(fl32(table[q] * scale)), as bitsandbytes' dequantize-then-linear path does: with two_term_rows'
@@ -329,7 +335,7 @@ def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
     A = two_term_rows(M, K, seed=M + K + 1).to(dtype)
     ex = EmulatedExecutor(library, order="random", seed=K)
     for quant_type in ("nf4", "fp4"):
-        y = call(OPS["gemm_4bit"], (A, packed, [N, K], absmax, 32, quant_type), {}, ex)
+        y = gemm_on(path, ex, (A, packed, [N, K], absmax, 32, quant_type))
         W = R.dequantized_weight(packed, (N, K), 32, quant_type, absmax)
         want = torch.from_numpy(R.matmul(A, R.in_dtype(W, dtype)).astype(np.float32)).to(dtype)
         assert torch.equal(y, want), f"{quant_type}: {(y != want).sum()} outputs differ"

@@ -18,7 +18,9 @@ RULES = {"double", "std", "libc", "lambda", "recursion", "address-space", "threa
          "include", "function-constant", "threadgroup-array", "non-ascii",
          # rules of the Metal Shading Language specification / the executors' binding contract
          "program-scope", "threadgroup-scope", "threadgroup-init", "kernel-return", "buffer-index",
-         "kernel-param", "unsupported-cxx"}
+         "kernel-param", "unsupported-cxx",
+         # what the fast-math setting must not reach: the math library (the fp pragma is a unit rule, below)
+         "float-math"}
 
 
 def expected_findings(path: Path) -> set[tuple[int, str]]:
@@ -121,3 +123,83 @@ def test_cli_exit_codes():
     good = subprocess.run([sys.executable, "-m", "bnb_mps.msl_lint", str(CASES / "clean.metal")],
                           capture_output=True, text=True)
     assert good.returncode == 0 and good.stdout == ""
+
+
+# -- the floating-point mode: every unit pins no-contraction, the math library is called precisely ------
+
+
+def _kernels_copy(tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernel_source.kernel_dir(), copy)
+    return copy
+
+
+def _lint(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bnb_mps.msl_lint", "--no-address-space", str(path)],
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def test_a_kernel_calling_an_unqualified_sqrt_fails_the_lint(tmp_path):
+    kernels = _kernels_copy(tmp_path)
+    assert _lint(kernels).returncode == 0  # the clean source passes
+    header = kernels / "int8.h"
+    text = header.read_text()
+    planted = text.replace("metal::precise::clamp(metal::precise::rint(v), -127.0f, 127.0f)",
+                           "metal::precise::clamp(metal::precise::rint(sqrt(v * v)), -127.0f, 127.0f)")  # fmt: skip
+    assert planted != text
+    header.write_text(planted)
+    r = _lint(kernels)
+    assert r.returncode == 1 and "[float-math] `sqrt(...)`" in r.stdout and "metal::precise::sqrt" in r.stdout
+
+
+def test_a_unit_without_the_contraction_pragma_first_fails_the_lint(tmp_path):
+    kernels = _kernels_copy(tmp_path)
+    unit = kernels / "quantize_8bit.metal"
+    unit.write_text(unit.read_text().replace('#include "bnb_math_mode.h"\n', ""))
+    # quantize_8bit.h includes bnb_common.h, which includes bnb_math_mode.h first: still pinned
+    assert _lint(kernels).returncode == 0
+    common = kernels / "bnb_common.h"
+    common.write_text(common.read_text().replace('#include "bnb_math_mode.h"\n#include <metal_stdlib>',
+                                                 '#include <metal_stdlib>\n#include "bnb_math_mode.h"'))  # fmt: skip
+    r = _lint(kernels)
+    assert r.returncode == 1 and f"{unit}:1: [fp-contract]" in r.stdout
+    assert r.stdout.count("[fp-contract]") == 1  # the other units include bnb_math_mode.h first themselves
+    mode = kernels / "bnb_math_mode.h"
+    mode.write_text(mode.read_text().replace("#pragma clang fp contract(off)\n",
+                                             "#if __METAL_VERSION__ >= 320\n#pragma clang fp contract(off)\n#endif\n"))
+    assert _lint(kernels).stdout.count("[fp-contract]") == 5  # under a condition it pins nothing at 3.1
+
+
+@pytest.mark.parametrize("version", [310, 320, 400])
+def test_every_unit_preprocessed_at_each_language_version_pins_contraction_first(version):
+    """What each tier hands Metal (one text per unit, local headers inlined), preprocessed as at Metal
+    3.1, 3.2 and 4.0: `#pragma clang fp contract(off)` comes before the first line of code and before
+    <metal_stdlib>; from 3.2 on the METAL pragmas too."""
+    from bnb_mps.msl import math_mode
+
+    if math_mode.find_preprocessor() is None:
+        pytest.skip("no C preprocessor here")
+    units = kernel_source.units()
+    assert set(units) == {p.stem for p in kernel_source.kernel_dir().glob("*.metal")}
+    for name, text in units.items():
+        out = math_mode.preprocess(text, version)
+        assert math_mode.preprocessed_finding(out) is None, (name, version)
+        first_code = out.splitlines()[math_mode._first_code_line(out.splitlines())]
+        assert first_code.startswith("__bnb_system_header__ metal_stdlib"), (name, first_code)
+        head = out[: out.find("__bnb_system_header__")]
+        assert ("#pragma METAL fp contract(off)" in head) == (version >= 320), (name, version)
+        assert ("#pragma METAL fp math_mode(safe)" in head) == (version >= 320), (name, version)
+
+
+def test_the_preprocessed_check_fails_a_unit_that_pins_too_late():
+    from bnb_mps.msl import math_mode
+
+    if math_mode.find_preprocessor() is None:
+        pytest.skip("no C preprocessor here")
+    late = "#include <metal_stdlib>\n#pragma clang fp contract(off)\nkernel void k() {}\n"
+    conditional = "#if __METAL_VERSION__ >= 320\n#pragma clang fp contract(off)\n#endif\nkernel void k() {}\n"
+    assert math_mode.preprocessed_finding(math_mode.preprocess(late, 320)) is not None
+    assert math_mode.preprocessed_finding(math_mode.preprocess(conditional, 310)) is not None
+    assert math_mode.preprocessed_finding(math_mode.preprocess(conditional, 320)) is None

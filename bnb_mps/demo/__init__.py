@@ -1,7 +1,8 @@
 """`python -m bnb_mps demo` (also `bnb-mps demo`): QLoRA fine-tuning of a small Llama, end to end,
 as a Mac user runs it on CUDA: 4-bit NF4 weights through transformers' BitsAndBytesConfig, LoRA
-adapters from peft, a bitsandbytes 8-bit optimizer, a progress bar, a sample before and after,
-and a summary of where each bitsandbytes op ran. Nothing is downloaded. See `qlora.py`."""
+adapters from peft, a bitsandbytes 8-bit optimizer, a progress bar, a greedy sample before and
+after, a summary of where each bitsandbytes op ran, and the kernel check: bnb-mps' kernels at work
+on any machine (`check.py`). Nothing is downloaded. See `qlora.py`."""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=Options.out,
                         help=f"directory for summary.json and demo_loss.png (default: ./{Options.out}/)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
+                        help="skip the kernel check after training (on the CPU: the trained model again with its "
+                        "4-bit products on bnb-mps' Metal kernels under the emulator, compared with the stock run; "
+                        "on mps: the kernel families' first-use verification verdicts)")  # fmt: skip
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for tiny on the CPU "
                         "device, whose small matrices gain nothing from threads; torch's default otherwise)")  # fmt: skip
 

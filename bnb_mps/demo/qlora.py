@@ -4,12 +4,16 @@
    saved, and loaded in 4-bit with `BitsAndBytesConfig(load_in_4bit=True, nf4, double
    quantization)` and `device_map={"": device}`: transformers' bitsandbytes quantizer never picks
    mps by itself, so the device is named.
-2. It samples some text, trains LoRA adapters (peft) on a public-domain book with a bitsandbytes
-   8-bit optimizer, gradient checkpointing and accumulation as `bnb_mps.device.training_config`
-   advises for the device, and samples again.
-3. It reports the loss, tokens/s, the weight memory in 4-bit against fp16, and which tier served
-   each bitsandbytes op and how often (counted in bnb-mps' op layer), and writes `summary.json`
-   and `demo_loss.png`.
+2. It samples some text (greedy), trains LoRA adapters (peft) on a public-domain book with a
+   bitsandbytes 8-bit optimizer, gradient checkpointing and accumulation as
+   `bnb_mps.device.training_config` advises for the device, and samples again.
+3. The kernel check (`check.py`; --no-kernel-check skips it): where no Apple GPU serves the ops (the
+   CPU device), the trained model runs again with its 4-bit products on bnb-mps' Metal kernels under
+   the emulator, compared with the stock run; on mps, the first-use verification verdicts of the
+   kernel families the run used.
+4. It reports the loss, tokens/s, the weight memory in 4-bit against fp16, which tier served each
+   bitsandbytes op and how often (counted in bnb-mps' op layer) and the kernel check, and writes
+   `summary.json` and `demo_loss.png`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from . import data, report
+from . import check, data, report
 
 #: model and training shapes per --size; the whole tiny run takes 40 s on one x86 core (measured)
 SIZES = {
@@ -56,6 +60,7 @@ class Options:
     seed: int = 0
     out: str = "bnb_mps_demo"
     quiet: bool = False  # no progress bar
+    kernel_check: bool = True  # the kernel check after training (bnb_mps.demo.check); --no-kernel-check skips it
     threads: Optional[int] = None  # CPU threads; None: 1 for tiny on the CPU device, torch's default otherwise
 
 
@@ -130,17 +135,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _sample(model, tok, prompt: str, max_new_tokens: int, seed: int, device) -> str:
-    import torch
-
-    model.eval()
+def _sample(model, tok, prompt: str, max_new_tokens: int, device) -> tuple[str, "check.Greedy"]:
+    """A greedy sample from `prompt` (text only: the special tokens are never chosen), and its tokens
+    and logits (what the kernel check compares)."""
     inputs = tok(prompt, return_tensors="pt").to(device)
-    torch.manual_seed(seed)
-    special = [tok.convert_tokens_to_ids(t) for t in data.SPECIAL_TOKENS]  # text only, to the full length
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=0,
-                             suppress_tokens=special, pad_token_id=tok.pad_token_id)  # fmt: skip
-    return prompt + tok.decode(out[0, inputs["input_ids"].shape[1] :])
+    sample = check.greedy(model, inputs, max_new_tokens, _special_ids(tok), tok.pad_token_id)
+    return prompt + tok.decode(sample.tokens), sample
+
+
+def _special_ids(tok) -> list[int]:
+    return [tok.convert_tokens_to_ids(t) for t in data.SPECIAL_TOKENS]
 
 
 def _what_serves(device, emulated: bool) -> str:
@@ -170,6 +174,35 @@ def _short_serves(device, emulated: bool) -> str:
     return f"bitsandbytes' own {device.type} code"
 
 
+def _kernel_check(model, tok, corpus_ids, seq_len: int, sample, opts: Options, device, emulated: bool, counts: dict,
+                  say) -> tuple[dict, list[str]]:  # fmt: skip
+    """The summary's `kernel_check` and its lines (bnb_mps.demo.check): on mps with a kernel tier, the
+    verification verdicts of the kernel families the run used; on the CPU, the trained model again on
+    bnb-mps' kernels under the emulator, against bitsandbytes' own CPU code."""
+    if device.type == "mps":
+        from .. import executors
+
+        sel = executors.selection()
+        if sel.executor is not None:
+            used = [name for name, tiers in counts.items() if sel.tier in tiers]
+            found = check.gpu_verdicts(sel.tier, sel.executor, used)
+            return found, check.gpu_report_lines(found)
+        why = f"no bnb-mps GPU tier serves ops here ({sel.reason})"
+    elif device.type != "cpu":
+        why = (f"the model is on {device.type}, and the emulator runs bnb-mps' kernels on CPU tensors "
+               "(--device cpu runs the check)")  # fmt: skip
+    else:
+        eval_ids = data.Windows(corpus_ids, check.EVAL_SEQUENCES, seq_len, opts.seed + 1).next()  # not a training draw
+        prompt = tok(opts.prompt, return_tensors="pt")
+        special = _special_ids(tok)
+        if emulated:  # the sample above ran on the kernels; the check compares them with bitsandbytes' own code
+            sample = check.greedy(model, prompt, len(sample.tokens), special, tok.pad_token_id)
+        return check.emulated_check(model, eval_ids, prompt, sample, special, tok.pad_token_id, quiet=opts.quiet,
+                                    say=say)  # fmt: skip
+    say(f"kernel check skipped: {why}")
+    return {"skipped": why}, [f"  kernel check       skipped: {why}"]
+
+
 def run(opts: Options, stdout=None) -> dict:
     """Run the demo; returns the summary (also written to <out>/summary.json)."""
     import torch
@@ -188,7 +221,7 @@ def _run(opts: Options, stdout) -> dict:
     from tqdm.auto import tqdm
 
     from .. import __version__, ops, registration
-    from ..device import memory_stats, training_config
+    from ..device import checkpointing_field, memory_stats, training_config
 
     def say(*lines: str) -> None:
         for line in lines:
@@ -211,7 +244,7 @@ def _run(opts: Options, stdout) -> dict:
     device = _choose_device(opts)
     tc = training_config(device)
     accum = opts.accum or tc["gradient_accumulation_steps"]
-    checkpointing = bool(tc["gradient_checkpointing"])
+    checkpointing = bool(tc[checkpointing_field()])
     compute_dtype = torch.bfloat16 if tc["bf16"] else torch.float32
     threads = opts.threads
     if threads is None and device.type == "cpu" and opts.size == "tiny":
@@ -283,7 +316,7 @@ def _run(opts: Options, stdout) -> dict:
             f"({bytes_fp16 / bytes_4bit:.1f}x smaller)")  # fmt: skip
 
         # 2. a sample before training
-        before = _sample(model, tok, opts.prompt, opts.max_new_tokens, opts.seed, device)
+        before, _ = _sample(model, tok, opts.prompt, opts.max_new_tokens, device)
         say("", "sample before training:", "  " + before.replace("\n", "\n  "), "")
 
         # 3. LoRA adapters on every 4-bit linear layer, as QLoRA does. The embeddings and the output
@@ -342,10 +375,18 @@ def _run(opts: Options, stdout) -> dict:
         model.config.use_cache = True
 
         # 5. a sample after training
-        after = _sample(model, tok, opts.prompt, opts.max_new_tokens, opts.seed, device)
+        after, after_sample = _sample(model, tok, opts.prompt, opts.max_new_tokens, device)
         say("", "sample after training:", "  " + after.replace("\n", "\n  "), "")
 
     counts = ops.call_counts()
+
+    # 6. the kernel check: bnb-mps' kernels on this run's model (emulated), or what the GPU verified (mps)
+    kernel_check, check_lines = None, []
+    if opts.kernel_check:
+        with _quiet_transformers():
+            kernel_check, check_lines = _kernel_check(model, tok, corpus_ids, seq_len, after_sample, opts, device,
+                                                      emulated, counts, say)  # fmt: skip
+
     kernel_less = sorted(name for name, op in ops.OPS.items() if op.kernel is None)
     op_rows, op_notes = report.op_report(counts, device.type, emulated, handed_back_before, kernel_less)
     tokens_per_second = steps * tokens_per_step / train_seconds
@@ -382,6 +423,8 @@ def _run(opts: Options, stdout) -> dict:
         "sample_before": before,
         "sample_after": after,
     }
+    if kernel_check is not None:
+        summary["kernel_check"] = kernel_check
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     report.plot_loss(losses, out_dir / "demo_loss.png",
                      f"QLoRA, {opts.size} Llama in 4-bit NF4 on {device}, {optim_name}")  # fmt: skip
@@ -396,5 +439,6 @@ def _run(opts: Options, stdout) -> dict:
         "  bitsandbytes ops   " + ("(calls counted in bnb-mps' op layer)" if op_rows else "none passed through bnb-mps"),
         *report.op_table(op_rows),
         *(f"  note: {n}" for n in op_notes),
+        *check_lines,
         f"  wrote              {out_dir / 'summary.json'}, {out_dir / 'demo_loss.png'}")  # fmt: skip
     return summary

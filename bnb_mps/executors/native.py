@@ -8,25 +8,30 @@ PyTorch's MPS stream. This module decides which kernels to load and validates la
 arguments as they are (tensors, and Scalars, which are bytes).
 
 Which kernels (`choose_library`): the offline metallib, one library of every kernel, where it is
-current (built from the kernel files installed now) and the run-time compile would not pin more
-than it does (Metal 3.1, macOS 14: see "Math mode" below); otherwise the kernel source, compiled at
-first use one compile unit at a time (`bnb_mps.msl.source.units()`, one per `.metal` file; one
-`compile_library` each, the kernel names mapped here to the library of their unit). A unit that does
-not compile makes only its own kernels unavailable (their launches raise KernelUnavailable with the
-compiler's message); the tier is unavailable only when no unit compiles. A metallib that does not
-load falls back to the units. Only an installation without kernel files (which the package layout
-never produces) compiles the amalgamation embedded at build time, as one unit.
+current (built from the kernel files installed now) and the run-time compile would request the same
+Metal language version it was built for (3.1); otherwise the kernel source, compiled at first use one
+compile unit at a time (`bnb_mps.msl.source.units()`, one per `.metal` file; one `compile_library`
+each, the kernel names mapped here to the library of their unit). A unit that does not compile makes
+only its own kernels unavailable (their launches raise KernelUnavailable with the compiler's
+message); the tier is unavailable only when no unit compiles. A metallib that does not load falls
+back to the units. Only an installation without kernel files (which the package layout never
+produces) compiles the amalgamation embedded at build time, as one unit. `language_version` says
+which Metal language version the tier's kernels were compiled at (`python -m bnb_mps` shows it).
 
-Math mode (what each path asks of Metal; none of it has been run on a Mac yet):
-- run-time compile, macOS 15 and later: Metal 3.2 (`language_version()` of the module says what
-  it requests), mathMode safe and precise math functions, and the kernel source's `#pragma METAL fp
-  math_mode(safe)` / `contract(off)` (csrc/kernels/bnb_math_mode.h) apply: no fast math and no
-  contraction of a * b + c into a fused multiply-add;
-- run-time compile, macOS 14: Metal 3.1 with fastMathEnabled = NO (safe math); the pragmas are
-  compiled out, so contraction is whatever the compiler's safe mode allows (the optimizer update
-  keeps its own no-contraction, optimizer.h);
-- offline metallib: -std=metal3.1 -fno-fast-math (csrc/metal_toolchain.cmake), the same as the
-  macOS 14 compile; so from macOS 15 on the source is compiled instead.
+Math mode (what each path asks of Metal; none of it has been run on a Mac yet). The run-time compile's
+language version follows the SDK the module was built with as well as the OS: Metal 3.2 needs the
+macOS 15 SDK at build time (MTLLanguageVersion3_2) and macOS 15 at run time; a module built with an
+older SDK requests 3.1 on every macOS.
+- run-time compile at Metal 3.2 (macOS 15 and later, module built with the macOS 15 SDK or newer):
+  mathMode safe and precise math functions, and the kernel source's `#pragma METAL fp
+  math_mode(safe)` / `contract(off)` (csrc/kernels/bnb_math_mode.h);
+- run-time compile at Metal 3.1 (macOS 14, or a module built with an older SDK): fastMathEnabled = NO
+  (safe math);
+- offline metallib: -std=metal3.1 -fno-fast-math, and -ffp-contract=off where the toolchain takes it
+  (csrc/metal_toolchain.cmake); loaded where the run-time compile would request 3.1 as well.
+At every version the source's unconditional `#pragma clang fp contract(off)` (bnb_math_mode.h) keeps
+a * b + c from being contracted into a fused multiply-add, and the kernels call only
+`metal::precise::` math functions, so 3.1 and 3.2 compute the same bits.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class NativeExecutor:
         """`library`: the compiled units (CompileUnits of `_native.KernelLibrary` objects), or one
         KernelLibrary that holds every kernel (the offline metallib; a library compiled from one
         text). A kernel in neither goes to that one library, which raises ValueError naming it."""
+        #: the Metal language version the kernels were compiled at, (major, minor), or None for the
+        #: OS compiler's default (set by `load`)
+        self.language_version: Optional[tuple[int, int]] = None
         if isinstance(library, CompileUnits):
             self._units: Optional[CompileUnits] = library
             self.origin: str = "source"
@@ -157,8 +165,10 @@ def choose_library(embedded: str, current: str | None, metallib: Path | None,
     files differ from what the library embedded at build time (kernels edited in a checkout since
     the last build), compile the current text; otherwise prefer the prebuilt metallib (built
     from the embedded text), then the embedded text. The metallib is built for Metal 3.1, where
-    the source's math-mode pragmas are compiled out: where the run-time compile requests a version
-    that has them (`runtime_version` >= 3.2, macOS 15 and later), the source is compiled instead.
+    the source's `#pragma METAL fp` lines are compiled out (its no-contraction pragma is not): where
+    the run-time compile requests a version that has them (`runtime_version` >= 3.2: macOS 15 and a
+    module built with the macOS 15 SDK or newer), the source is compiled instead, so that the tier
+    never runs at a lower version than it could.
     ("source" is compiled one compile unit at a time from the installed files, see `_open_library`.)
     """
     if current is not None and current != embedded:
@@ -249,6 +259,8 @@ def load() -> NativeExecutor:
     if not torch.backends.mps.is_available():
         raise ExecutorUnavailable(f"MPS is not available: {mps_unavailable_reason()}")
     executor = NativeExecutor(_open_library(_native))
+    executor.language_version = METALLIB_LANGUAGE_VERSION if executor.origin.startswith("metallib") else \
+        runtime_language_version(_native)
     # one pipeline: the width is a property of the GPU
     names = executor._units.kernels() if executor._units is not None else executor._library.function_names()
     if not names:

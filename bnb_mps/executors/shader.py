@@ -23,21 +23,27 @@ payloads and -0.0 included), whatever the MSL type. A grid of (gx, gy, gz) threa
 (tx, ty, tz) threads is passed as threads = (gx*tx, gy*ty, gz*tz), group_size = (tx, ty, tz): a
 uniform grid, the same as dispatchThreadgroups.
 
-Math mode: compile_shader takes no compile options; torch chooses them. As read in the released
-macOS arm64 wheels (MetalShaderLibrary::compileLibrary in libtorch_cpu.dylib, torch 2.7 to 2.13):
-on macOS >= 15 torch sets mathMode and mathFloatingPointFunctions to Safe and Precise, or to Fast
-and Fast when the environment sets PYTORCH_MPS_FAST_MATH (read once per process; in torch 2.13 any
-value but "0"); before macOS 15 it sets fastMathEnabled from the same variable. The language version
-is at most Metal 3.1 in torch 2.7 to 2.10; from torch 2.11 it is 4.0 on macOS >= 26, 3.2 on macOS
-15 and 3.1 before. The kernel source pins safe math and no contraction with `#pragma METAL
-fp` (csrc/kernels/bnb_math_mode.h), compiled for Metal >= 3.2 only: where torch >= 2.11 runs on
-macOS >= 15 the kernels' arithmetic stays safe whatever the variable says (not yet checked on a
-Mac); elsewhere the variable compiles them with fast math, and load() warns once
-(FastMathWarning). Fast math may change the float results of the kernels that add or fuse float
-operations (matmuls, dequantizing matmuls, optimizer updates). The quantization kernels take their
-scales from metal::precise::divide and their absmax, NaN and sign tests from bit patterns, so
-their codes do not depend on it as long as no intermediate is NaN or infinite (fast math lets the
-compiler assume none is).
+Math mode: compile_shader takes no compile options; torch chooses them. As read in torch's source
+(MetalShaderLibrary::compileLibrary) and its released macOS arm64 wheels (torch 2.7 to 2.13): torch
+reads PYTORCH_MPS_FAST_MATH once per process, at its first Metal compile (any value but "0", the empty
+one included, asks for fast math), so it must be set before torch is imported, or not at all. With it,
+on macOS >= 15 torch sets mathMode = Fast and mathFloatingPointFunctions = Fast (Safe and Precise
+without it); before macOS 15 fastMathEnabled = YES. The language version is at most Metal 3.1 in
+torch 2.7 to 2.10; from torch 2.11 it is 4.0 on macOS >= 26, 3.2 on macOS 15 and 3.1 before.
+
+What the variable changes in bnb_mps' kernels (csrc/kernels/bnb_math_mode.h):
+- contraction of a * b + c into a fused multiply-add: nothing; the source's unconditional
+  `#pragma clang fp contract(off)` holds at every language version;
+- the rest of the float arithmetic: nothing where torch compiles Metal >= 3.2 (torch >= 2.11 on macOS
+  >= 15), whose `#pragma METAL fp math_mode(safe)` the source pins; below that, fast arithmetic
+  (reassociation, no-NaN/no-infinity assumptions), and load() warns once (FastMathWarning). It may
+  change the float results of the kernels that add float operations (matmuls, dequantizing matmuls,
+  optimizer updates); the quantization kernels take their scales from metal::precise::divide and
+  their absmax, NaN and sign tests from bit patterns, so their codes do not depend on it as long as
+  no intermediate is NaN or infinite;
+- the math functions (sqrt, exp, rint, clamp, ...): nothing: the kernels call only
+  `metal::precise::` functions (the MSL lint's rule float-math), which no setting changes.
+(Not yet checked on a Mac: scripts/mac_acceptance.sh probes each of these.)
 
 Source rules: ASCII only (torch hands it to Metal as ASCII), fixed-size threadgroup
 arrays (nothing can set threadgroup memory lengths) - both hold for csrc/kernels by lint.
@@ -79,6 +85,17 @@ class FastMathWarning(UserWarning):
     """PYTORCH_MPS_FAST_MATH makes torch compile the shader tier's kernels with fast math."""
 
 
+def language_version(macos: Optional[tuple], torch_ver: tuple) -> tuple[int, int]:
+    """The Metal language version torch's compile_shader asks for on this macOS ((major, minor)) with
+    this torch: from torch 2.11, 4.0 on macOS >= 26, 3.2 on macOS 15, 3.1 before; 3.1 at most before."""
+    if tuple(torch_ver) >= PINNED_MATH_TORCH and macos is not None:
+        if tuple(macos) >= (26, 0):
+            return (4, 0)
+        if tuple(macos) >= PINNED_MATH_MACOS:
+            return (3, 2)
+    return (3, 1)
+
+
 def math_mode_pinned(macos: Optional[tuple], torch_ver: tuple) -> bool:
     """True when compile_shader compiles with Metal >= 3.2 on this macOS ((major, minor), None off
     macOS) with this torch ((major, minor)), so that the kernel source's pinned safe math and
@@ -86,10 +103,21 @@ def math_mode_pinned(macos: Optional[tuple], torch_ver: tuple) -> bool:
     return macos is not None and tuple(macos) >= PINNED_MATH_MACOS and tuple(torch_ver) >= PINNED_MATH_TORCH
 
 
+_process_fast_math: Optional[bool] = None  # the process's reading, made once (as torch makes its own)
+
+
 def fast_math_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True when PYTORCH_MPS_FAST_MATH asks torch for fast math: set, to anything but "0" (torch 2.13)."""
-    value = (os.environ if environ is None else environ).get(FAST_MATH_ENV)
-    return value is not None and value != "0"
+    """True when PYTORCH_MPS_FAST_MATH asks torch for fast math, read as torch reads it: set, to
+    anything but "0" (an empty value counts), and once per process (torch keeps the value it finds at
+    its first Metal compile: set the variable before importing torch). `environ`: read that mapping
+    instead, now (tests)."""
+    global _process_fast_math
+    if environ is not None:
+        value = environ.get(FAST_MATH_ENV)
+        return value is not None and value != "0"
+    if _process_fast_math is None:
+        _process_fast_math = fast_math_requested(dict(os.environ))
+    return _process_fast_math
 
 
 _fast_math_warned = False

@@ -68,6 +68,22 @@ LIBC_FUNCTIONS = (
     "srand",
 )
 
+# Metal's float math library (metal_math, and the common functions clamp and saturate): under fast math
+# (PYTORCH_MPS_FAST_MATH makes torch ask for mathFloatingPointFunctions = Fast) an unqualified call
+# takes the function's fast variant, and no pragma in the source changes that; `metal::precise::`
+# does not depend on it. These names are float-only in Metal (fma, fdim, frexp and nextafter are left
+# out: Metal's library computes them the same under either setting):
+FLOAT_MATH_FUNCTIONS = frozenset(
+    "acos acosh asin asinh atan atan2 atanh cbrt ceil copysign cos cosh cospi divide exp exp10 exp2 fabs "
+    "floor fmax fmax3 fmedian3 fmin fmin3 fmod fract ilogb ldexp log log10 log2 modf "
+    "pow powr rint round rsqrt saturate sin sincos sinh sinpi sqrt tan tanh tanpi trunc".split()
+)
+# ... and these also take integers (then they are exact): flagged where an argument is visibly a
+# float (a floating literal or a float conversion); the lint cannot see types otherwise.
+OVERLOADED_MATH_FUNCTIONS = frozenset("abs clamp max min max3 min3 median3".split())
+_FLOAT_ARGUMENT = re.compile(r"(?<![\w.])(?:\d+\.\d*|\.\d+|\d+[eE][+-]?\d+)[fFhH]?\b|\b(?:float|half|bfloat)\d?\s*\(|"
+                             r"as_type\s*<\s*(?:float|half|bfloat)")
+
 # Words that can precede `(` without being a function name.
 _NOT_FUNCTIONS = frozenset(
     "if for while switch return sizeof alignof decltype catch static_assert case do else "
@@ -283,6 +299,7 @@ class _Linter:
         self.check_threadgroup_variables(functions)
         self.check_program_scope()
         self.check_unsupported_cxx()
+        self.check_float_math()
         return sorted(set(self.findings), key=lambda f: (f.line, f.rule, f.message))
 
     # -- rules ------------------------------------------------------------------------------
@@ -594,6 +611,34 @@ class _Linter:
             self.report(m.start(), "unsupported-cxx", f"`{word}` is not supported by Metal")
 
 
+    # -- the math library under fast math -------------------------------------------------------------
+
+    def check_float_math(self) -> None:
+        """Float math-library calls go through `metal::precise::`, so that fast math cannot change them."""
+        code = self.code
+        names = "|".join(sorted(FLOAT_MATH_FUNCTIONS | OVERLOADED_MATH_FUNCTIONS))
+        for m in re.finditer(r"(?<![\w.])(%s)\s*\(" % names, code):
+            name = m.group(1)
+            before = code[max(0, m.start(1) - 80) : m.start(1)]
+            if re.search(r"(?:->|\.)\s*$", before):
+                continue  # a member function
+            qualifier = re.search(r"(\w+)\s*::\s*$", before)
+            if qualifier is not None and qualifier.group(1) == "precise":
+                continue
+            if qualifier is not None and qualifier.group(1) not in ("metal", "fast"):
+                continue  # a function of another namespace
+            if re.search(r"\b(?:inline|constexpr|void|float|half|int|uint|auto|T)\s+$", before):
+                continue  # a declaration of a function of that name
+            if name in OVERLOADED_MATH_FUNCTIONS:
+                close = _match_bracket(code, m.end() - 1)
+                if not _FLOAT_ARGUMENT.search(code[m.end() : close - 1]):
+                    continue  # no visibly float argument: taken as the integer overload
+            spelled = f"{qualifier.group(1)}::{name}" if qualifier is not None else name
+            self.report(m.start(1), "float-math",
+                        f"`{spelled}(...)` on floats follows the fast-math setting (PYTORCH_MPS_FAST_MATH selects the fast "
+                        f"math functions); call `metal::precise::{name}`")  # fmt: skip
+
+
 def _compile_time_names_in(code: str) -> set[str]:
     """Names usable in constant expressions: #defines, constexpr/constant variables, enumerators,
     non-type template parameters."""
@@ -627,12 +672,28 @@ def _default_dir() -> Path:
 
 
 def lint_paths(paths: list[Path]) -> list[Finding]:
+    """Every file's findings, and for each `.metal` file (a compile unit, its local headers inlined as
+    the tiers inline them) the rule `fp-contract`: no-contraction pinned before the unit's first code."""
     findings: list[Finding] = []
     for path in paths:
         files = sorted(p for p in path.rglob("*") if p.suffix in (".metal", ".h")) if path.is_dir() else [path]
         for f in files:
             findings.extend(lint_source(f.read_text(encoding="utf-8", errors="replace"), str(f)))
+            if f.suffix == ".metal":
+                findings.extend(_unit_findings(f))
     return findings
+
+
+def _unit_findings(path: Path) -> list[Finding]:
+    from .math_mode import unit_finding
+    from .source import unit_text
+
+    try:
+        text = unit_text(path, line_directives=False)
+    except (OSError, ValueError):
+        return []  # (a missing local header or non-ASCII text: the include and non-ascii rules say so)
+    found = unit_finding(text)
+    return [] if found is None else [Finding(str(path), 1, "fp-contract", found[1])]
 
 
 def main(argv: list[str] | None = None) -> int:

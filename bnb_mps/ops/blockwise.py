@@ -19,23 +19,31 @@ from .registry import checks, kernel_of, planner
 # -- checks ---------------------------------------------------------------------------------------
 
 
-def _code(op: str, code) -> None:
-    v.tensor(op, "code", code, dtypes=(torch.float32,))
-    v.numel(op, "code", code, 256)
+def _covered_code(code) -> None:
+    """The 8-bit code: the kernels take 256 float32 values; bitsandbytes' pure-PyTorch code (what
+    serves these ops on mps without bnb_mps) takes a float code of any dtype and length."""
+    v.covered_dtype("code", code, (torch.float32,), v.FLOATS)
+    if code.numel() != 256:
+        raise v.NotCovered(f"code of {code.numel()} values (the kernels take 256)")
 
 
 @checks("quantize_blockwise")
 def check_quantize_blockwise(A, code, blocksize) -> None:
     op = "quantize_blockwise"
     v.tensor(op, "A", A, dtypes=v.FLOATS)
-    _code(op, code)
-    v.blocksize(op, blocksize, v.BLOCKSIZES_8BIT)
+    v.tensor(op, "code", code, dtypes=v.FLOATS)
+    v.numel(op, "code", code, 1, at_least=True)
+    v.blocksize(op, blocksize, None)
     v.same_device(op, A=A, code=code)
+    v.covered_blocksize(blocksize, v.BLOCKSIZES_8BIT)
+    _covered_code(code)
 
 
 @checks("dequantize_blockwise")
 def check_dequantize_blockwise(A, absmax, code, blocksize, dtype) -> None:
-    _check_dequantize("dequantize_blockwise", A, absmax, code, blocksize, dtype)
+    op = "dequantize_blockwise"
+    _check_dequantize(op, A, absmax, code, blocksize, dtype)
+    _covered_dequantize(op, absmax, code, blocksize)
 
 
 @checks("dequantize_blockwise.out")
@@ -45,16 +53,25 @@ def check_dequantize_blockwise_out(A, absmax, code, blocksize, dtype, out) -> No
     v.tensor(op, "out", out, dtypes=(dtype,))
     v.shape(op, "out", out, A.shape)
     v.same_device(op, A=A, out=out)
+    _covered_dequantize(op, absmax, code, blocksize)
 
 
 def _check_dequantize(op, A, absmax, code, blocksize, dtype) -> None:
     v.tensor(op, "A", A, dtypes=(torch.uint8,))
-    v.tensor(op, "absmax", absmax, dtypes=(torch.float32,))
-    _code(op, code)
-    v.blocksize(op, blocksize, v.BLOCKSIZES_8BIT)
+    v.tensor(op, "absmax", absmax, dtypes=v.FLOATS)
+    v.tensor(op, "code", code, dtypes=v.FLOATS)
+    v.numel(op, "code", code, 1, at_least=True)
+    v.blocksize(op, blocksize, None)
     v.dtype_arg(op, "dtype", dtype)
     v.numel(op, "absmax", absmax, v.blocks(A.numel(), blocksize), at_least=True)
     v.same_device(op, A=A, absmax=absmax, code=code)
+
+
+def _covered_dequantize(op, absmax, code, blocksize) -> None:
+    """After every check of a dequantize call: what the kernels do not cover (NotCovered)."""
+    v.covered_blocksize(blocksize, v.BLOCKSIZES_8BIT)
+    v.covered_dtype("absmax", absmax, (torch.float32,), v.FLOATS)
+    _covered_code(code)
 
 
 # -- kernels --------------------------------------------------------------------------------------

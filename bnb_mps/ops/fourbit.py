@@ -23,6 +23,16 @@ STORAGE_DTYPES = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
 )  # fmt: skip
 
+# bitsandbytes reads packed data of any dtype as its bytes (`A.view(torch.uint8)`), and its pure-PyTorch
+# quantize (what serves mps without bnb_mps) views the packed bytes as any quant_storage.
+ALL_DTYPES = tuple(d for d in vars(torch).values() if isinstance(d, torch.dtype))
+
+
+def covered_storage(name: str, dtype: torch.dtype) -> None:
+    if dtype not in STORAGE_DTYPES:
+        raise v.NotCovered(f"{name} {dtype} (the kernels take {', '.join(str(d) for d in STORAGE_DTYPES)})")
+
+
 # -- checks ---------------------------------------------------------------------------------------
 
 
@@ -32,12 +42,14 @@ def check_quantize_4bit(A, blocksize, quant_type, quant_storage) -> None:
     v.tensor(op, "A", A, dtypes=v.FLOATS)
     v.blocksize(op, blocksize, v.BLOCKSIZES_4BIT)
     v.quant_type(op, quant_type)
-    v.dtype_arg(op, "quant_storage", quant_storage, STORAGE_DTYPES)
+    v.dtype_arg(op, "quant_storage", quant_storage, ALL_DTYPES)
+    covered_storage("quant_storage", quant_storage)
 
 
 @checks("dequantize_4bit")
 def check_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype) -> None:
     _check_dequantize("dequantize_4bit", A, absmax, blocksize, quant_type, shape, dtype)
+    covered_storage("A", A.dtype)
 
 
 @checks("dequantize_4bit.out")
@@ -47,10 +59,11 @@ def check_dequantize_4bit_out(A, absmax, blocksize, quant_type, shape, dtype, ou
     v.tensor(op, "out", out, dtypes=(dtype,))
     v.shape(op, "out", out, shape)
     v.same_device(op, A=A, out=out)
+    covered_storage("A", A.dtype)
 
 
 def _check_dequantize(op, A, absmax, blocksize, quant_type, shape, dtype) -> None:
-    v.tensor(op, "A", A, dtypes=STORAGE_DTYPES)
+    v.tensor(op, "A", A)
     v.tensor(op, "absmax", absmax, dtypes=(torch.float32,))
     v.blocksize(op, blocksize, v.BLOCKSIZES_4BIT)
     v.quant_type(op, quant_type)

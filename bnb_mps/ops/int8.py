@@ -45,7 +45,8 @@ def _rows(A: torch.Tensor) -> int:
 
 def _check_quant(op, A, threshold) -> None:
     v.tensor(op, "A", A, dtypes=v.FLOATS, min_ndim=2)
-    v.number(op, "threshold", threshold, minimum=0.0)
+    # (a threshold that is not > 0, negative or NaN included, means no outliers, as in bitsandbytes)
+    v.number(op, "threshold", threshold)
 
 
 @checks("int8_vectorwise_quant")
@@ -62,9 +63,11 @@ def int8_double_quant(A, threshold=0.0) -> None:
 def int8_vectorwise_dequant(A, stats) -> None:
     op = "int8_vectorwise_dequant"
     v.tensor(op, "A", A, dtypes=(torch.int8,), min_ndim=1)
-    v.tensor(op, "stats", stats, dtypes=(torch.float32,))
+    v.tensor(op, "stats", stats, dtypes=v.FLOATS)
     v.numel(op, "stats", stats, _rows(A))
     v.same_device(op, A=A, stats=stats)
+    # (bitsandbytes' pure-PyTorch dequantize, what serves mps without bnb_mps, takes stats of any float dtype)
+    v.covered_dtype("stats", stats, (torch.float32,), v.FLOATS)
 
 
 def _check_matmul(op, A, B) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from .validation import NotCovered
+
 # Kernel index arithmetic is 32-bit and a block start plus one block must not wrap around.
 MAX_ELEMENTS = 2**32 - 8192
 
@@ -22,9 +24,10 @@ VECTOR_ALIGN = 16
 
 
 def check_size(op: str, name: str, n: int) -> None:
-    """Raise before anything is allocated when `n` elements exceed the kernels' 32-bit indexing."""
+    """NotCovered, before anything is allocated or launched, when `n` elements exceed the kernels'
+    32-bit indexing (bitsandbytes takes such tensors: the op layer serves the call by the next route)."""
     if n >= MAX_ELEMENTS:
-        raise ValueError(f"{op}: {name} has {n} elements; the Metal kernels take fewer than {MAX_ELEMENTS}")
+        raise NotCovered(f"{name} of {n} elements (the kernels take fewer than {MAX_ELEMENTS})")
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:

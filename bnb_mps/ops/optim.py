@@ -34,12 +34,27 @@ _FLOAT32_MAX = 3.4028234663852886e38
 # -- checks ---------------------------------------------------------------------------------------
 
 
-def _finite_numbers(op: str, numbers: dict) -> None:
-    """Each hyperparameter is a real number that float32 holds as a finite value."""
+def _numbers(op: str, step, numbers: dict) -> None:
+    """step is an int and each hyperparameter a real number: errors otherwise."""
+    v.integer(op, "step", step)
     for name, value in numbers.items():
         v.number(op, name, value)
+
+
+def _covered_numbers(step: int, numbers: dict) -> None:
+    """The kernels count steps from 1 (docs/semantics.md section 5) and take hyperparameters that
+    float32 holds as finite values; bitsandbytes computes with the others too (to infinities and
+    NaNs): NotCovered. Called after every error check of a call."""
+    if step < 1:
+        raise v.NotCovered(f"step {step} (the kernels count steps from 1)")
+    for name, value in numbers.items():
         if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
-            raise ValueError(f"{op}: {name} must be finite (as a float32), got {value!r}")
+            raise v.NotCovered(f"{name} {value!r} (the kernels take values finite as a float32)")
+
+
+def _scalars(op: str, step, numbers: dict) -> None:
+    _numbers(op, step, numbers)
+    _covered_numbers(step, numbers)
 
 
 def _common(op, optimizer_name, g, p, step, numbers: dict) -> int:
@@ -49,8 +64,7 @@ def _common(op, optimizer_name, g, p, step, numbers: dict) -> int:
     v.tensor(op, "g", g, dtypes=(p.dtype,))
     if g.numel() != p.numel():
         raise ValueError(f"{op}: g and p must have the same number of elements, got {g.numel()} and {p.numel()}")
-    v.integer(op, "step", step, minimum=1)
-    _finite_numbers(op, numbers)
+    _numbers(op, step, numbers)
     return p.numel() * (2 if optimizer_name == "ademamix" else 1)
 
 
@@ -72,10 +86,11 @@ def optimizer_update_32bit(
     numbers = dict(max_unorm=max_unorm, param_norm=param_norm, beta1=beta1, beta2=beta2, beta3=beta3, alpha=alpha,
                    eps=eps, weight_decay=weight_decay, lr=lr, gnorm_scale=gnorm_scale)  # fmt: skip
     n1 = _common(op, optimizer_name, g, p, step, numbers)
-    v.tensor(op, "state1", state1, dtypes=(torch.float32,))
+    v.tensor(op, "state1", state1, dtypes=v.FLOATS)
     v.numel(op, "state1", state1, n1)
-    if _needs_state2(op, optimizer_name, state2):
-        v.tensor(op, "state2", state2, dtypes=(torch.float32,))
+    two = _needs_state2(op, optimizer_name, state2)
+    if two:
+        v.tensor(op, "state2", state2, dtypes=v.FLOATS)
         v.numel(op, "state2", state2, p.numel())
     if max_unorm > 0:
         v.tensor(op, "unorm_vec", unorm_vec, dtypes=(torch.float32,))
@@ -83,6 +98,11 @@ def optimizer_update_32bit(
     else:
         v.tensor(op, "unorm_vec", unorm_vec, dtypes=(torch.float32,), optional=True)
     v.same_device(op, g=g, p=p, state1=state1, state2=state2, unorm_vec=unorm_vec)
+    # bitsandbytes' pure-PyTorch update (what serves mps without bnb_mps) keeps states of any float dtype
+    v.covered_dtype("state1", state1, (torch.float32,), v.FLOATS)
+    if two:
+        v.covered_dtype("state2", state2, (torch.float32,), v.FLOATS)
+    _covered_numbers(step, numbers)
 
 
 @checks("optimizer_update_8bit_blockwise")
@@ -109,6 +129,7 @@ def optimizer_update_8bit_blockwise(
                              f"got {tuple(absmax1.shape)}")  # fmt: skip
     v.same_device(op, g=g, p=p, state1=state1, state2=state2, qmap1=qmap1, qmap2=qmap2, absmax1=absmax1,
                   absmax2=absmax2)  # fmt: skip
+    _covered_numbers(step, numbers)
 
 
 def _state(op, k, state, qmap, absmax, n, per_copy) -> None:
@@ -226,8 +247,7 @@ def _dynamic_8bit(args, static_flags: int) -> tuple:
 
     def compute() -> tuple:
         op = "optimizer_update_8bit_blockwise"
-        v.integer(op, "step", step, minimum=1)
-        _finite_numbers(op, dict(beta1=beta1, beta2=beta2, beta3=beta3, alpha=alpha, eps=eps, lr=lr,
+        _scalars(op, step, dict(beta1=beta1, beta2=beta2, beta3=beta3, alpha=alpha, eps=eps, lr=lr,
                                  weight_decay=weight_decay, gnorm_scale=gnorm_scale))  # fmt: skip
         flags = static_flags | (FIRST_STEP if step == 1 else 0) | (SKIP_ZEROS if skip_zeros else 0)
         return (uint32(flags), *_hyper(beta1, beta2, beta3, alpha, eps, lr, weight_decay, gnorm_scale, step))
@@ -247,8 +267,7 @@ def _dynamic_32bit(args, static_flags: int) -> tuple:
 
     def compute() -> tuple:
         op = "optimizer_update_32bit"
-        v.integer(op, "step", step, minimum=1)
-        _finite_numbers(op, dict(max_unorm=max_unorm, param_norm=param_norm, beta1=beta1, beta2=beta2, beta3=beta3,
+        _scalars(op, step, dict(max_unorm=max_unorm, param_norm=param_norm, beta1=beta1, beta2=beta2, beta3=beta3,
                                  alpha=alpha, eps=eps, weight_decay=weight_decay, lr=lr,
                                  gnorm_scale=gnorm_scale))  # fmt: skip
         flags = static_flags | (FIRST_STEP if step == 1 else 0) | (SKIP_ZEROS if skip_zeros else 0)

@@ -197,13 +197,15 @@ class PlanBuilder:
 
 
 class BoundPlan:
-    """A plan ready to run on one executor: its launches as callables of their argument tuple."""
+    """A plan ready to run on one executor: its launches as callables of their argument tuple.
+    `bound(args)` runs a call (its per-call scalars from `dynamic`, the op's `Planned.dynamic`)."""
 
-    __slots__ = ("plan", "counted", "calls", "_allocate", "_constants", "_simple")
+    __slots__ = ("plan", "counted", "calls", "_allocate", "_constants", "_simple", "_dynamic")
 
-    def __init__(self, plan: Plan, executor, counted: tuple = ()) -> None:
+    def __init__(self, plan: Plan, executor, counted: tuple = (), dynamic=None) -> None:
         self.plan = plan
         self.counted = counted  # the op layer's call-count key, (op, tier)
+        self._dynamic = dynamic if plan.n_dynamic else None
         self.calls = tuple(
             (operator.itemgetter(*L.picks) if len(L.picks) > 1 else _single(L.picks[0]),
              _prepared(executor, L))
@@ -213,10 +215,11 @@ class BoundPlan:
         self._constants = plan.constants
         self._simple = not (plan.prepare or plan.write_back or plan.finish)
 
-    def __call__(self, args: tuple, dynamic: tuple = ()):
-        """Run the plan for a call with positional arguments `args` (and its per-call scalars)."""
-        outs = self._allocate()
+    def __call__(self, args: tuple):
+        """Run the plan for a call with positional arguments `args`."""
         plan = self.plan
+        dynamic = self._dynamic(args, plan.dynamic_base) if self._dynamic is not None else ()  # (checks them)
+        outs = self._allocate()
         if self._simple:
             pool = (outs + dynamic + self._constants + args) if dynamic else (outs + self._constants + args)
             for pick, launch in self.calls:
@@ -271,11 +274,17 @@ class Planned:
     dynamic_positions: int = 0  # bit mask of argument positions
     #: dynamic(args, plan.dynamic_base) -> the call's per-call Scalars (plan.n_dynamic of them)
     dynamic: Optional[Callable[[Sequence, Any], tuple]] = None
+    #: paths(*args) -> the kernel paths (route names) worth measuring for a call, the built-in one
+    #: first (ops with several paths; their planner takes one as `route=`); None: one path
+    paths: Optional[Callable[..., tuple]] = None
+
+    def plan(self, args: Sequence, route: Optional[str] = None) -> Plan:
+        """The plan of a call (arguments in schema order, defaults filled) on kernel path `route`
+        (None: the built-in one)."""
+        return self.planner(*args) if route is None else self.planner(*args, route=route)
 
 
-def execute(planned: Planned, executor, args: Sequence) -> Any:
+def execute(planned: Planned, executor, args: Sequence, route: Optional[str] = None) -> Any:
     """Plan and run one call (arguments in schema order, defaults filled), without caching."""
     args = tuple(args)
-    plan = planned.planner(*args)
-    dynamic = planned.dynamic(args, plan.dynamic_base) if plan.n_dynamic else ()
-    return BoundPlan(plan, executor)(args, dynamic)
+    return BoundPlan(planned.plan(args, route), executor, dynamic=planned.dynamic)(args)

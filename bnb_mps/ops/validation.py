@@ -3,6 +3,14 @@
 Every failure names the op, the argument and what was expected. Wrong tensor dtypes raise
 `DtypeError`, which is both a TypeError (the Python convention for a wrong kind of value) and a
 ValueError (what bitsandbytes raises for dtypes), so callers catching either see it.
+
+A check tells two things apart:
+- arguments bitsandbytes rejects too (its op contract, the fake kernels of bitsandbytes/_ops.py, or
+  every implementation it has): an error, raised here with a message that names the argument;
+- arguments bitsandbytes accepts but bnb_mps' kernels do not cover (an 8-bit blocksize outside
+  64..4096, a code of another dtype or length, a tensor beyond 32-bit indexing, ...): `NotCovered`,
+  which is no error: the op layer serves that call with bitsandbytes' own implementation (or the
+  CPU round trip), so installing bnb_mps never makes a call fail that stock bitsandbytes accepts.
 """
 
 from __future__ import annotations
@@ -20,6 +28,12 @@ QUANT_TYPES = ("nf4", "fp4")
 
 class DtypeError(TypeError, ValueError):
     """A tensor argument has a dtype the op does not take."""
+
+
+class NotCovered(Exception):
+    """A call whose arguments bitsandbytes accepts but no bnb_mps kernel covers. Not an error: the
+    op layer serves it by the next route. The message says what is not covered, without the op's
+    name (the op layer adds it), e.g. "blocksize 16384 (the kernels take 64, 128, ..., 4096)"."""
 
 
 def _names(dtypes: Iterable[torch.dtype]) -> str:
@@ -89,10 +103,27 @@ def number(op: str, name: str, value, *, minimum: Optional[float] = None) -> Non
         raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
 
 
-def blocksize(op: str, value, allowed: Sequence[int]) -> None:
+def blocksize(op: str, value, allowed: Optional[Sequence[int]]) -> None:
+    """`value` is one of `allowed`; None: any positive blocksize (bitsandbytes' 8-bit blockwise ops
+    take any; `covered_blocksize` then says whether the kernels do)."""
     integer(op, "blocksize", value)
-    if value not in allowed:
+    if allowed is None:
+        if value < 1:
+            raise ValueError(f"{op}: blocksize must be a positive int, got {value}")
+    elif value not in allowed:
         raise ValueError(f"{op}: blocksize must be one of {', '.join(map(str, allowed))}, got {value}")
+
+
+def covered_blocksize(value: int, allowed: Sequence[int]) -> None:
+    if value not in allowed:
+        raise NotCovered(f"blocksize {value} (the kernels take {', '.join(map(str, allowed))})")
+
+
+def covered_dtype(name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], accepted: Sequence[torch.dtype]) -> None:
+    """A tensor whose dtype bitsandbytes accepts (`accepted`, checked already) but the kernels take
+    only in `dtypes`: NotCovered otherwise."""
+    if t.dtype not in dtypes and t.dtype in accepted:
+        raise NotCovered(f"{name} of dtype {t.dtype} (the kernels take {_names(dtypes)})")
 
 
 def quant_type(op: str, value) -> None:

@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
@@ -172,6 +172,7 @@ class Case:
     args: tuple
     compare: Callable[[Any, Any, list, list], Optional[str]]
     expected: Optional[Callable[[list], Any]] = None
+    route: Optional[str] = None  # a kernel path of the op other than the built-in one (bnb_mps.ops.candidates)
 
 
 @dataclass(frozen=True)
@@ -965,6 +966,12 @@ def _optimizer_32bit_cases() -> Iterator[Case]:
 
 _MATMUL_OPS = ("gemm_4bit", "gemv_4bit", "gemv_4bit.out")
 
+
+def _routed(cases: Iterator[Case], route: str) -> Iterator[Case]:
+    for case in cases:
+        yield replace(case, label=f"{case.label} ({route})", route=route)
+
+
 #: Every kernel family, in the order they are verified.
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("blockwise_8bit", ("quantize_blockwise", "dequantize_blockwise", "dequantize_blockwise.out"),
@@ -978,6 +985,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("matmul_4bit_gemv", _MATMUL_OPS, lambda: _matmul_cases(1, 20, 1280, seed=900)),
     Family("matmul_4bit_batch", _MATMUL_OPS, lambda: _matmul_cases(5, 20, 560, seed=910)),
     Family("matmul_4bit_mma", _MATMUL_OPS, lambda: _matmul_cases(37, 40, 200, seed=920)),
+    # A kernel variant of a path (its 16-entry table in threadgroup memory): no op leaves the tier when
+    # it fails, only the variant is then no candidate for tuning (bnb_mps.ops.tuning).
+    Family("matmul_4bit_tglut", (), lambda: _routed(_matmul_cases(1, 20, 1280, seed=930), "gemv/tglut")),
     Family("int8_quant", ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant"),
            _int8_quant_cases),
     Family("int8_products", ("int8_linear_matmul", "int8_linear_matmul.out", "int8_scaled_mm", "int8_mixed_scaled_mm"),
@@ -1135,7 +1145,8 @@ def run_family(family: Family, executor, device: str) -> Verdict:
             bound = bind(case.op, tuple(_to(a, device) for a in case.args), {})
             op.check(*bound)
             try:
-                pending.append((case, op.kernel(recorder, *bound), bound))
+                routed = {"route": case.route} if case.route is not None else {}
+                pending.append((case, op.kernel(recorder, *bound, **routed), bound))
             except _LaunchFailed as e:
                 if isinstance(e.error, PipelineLimitError):  # the op leaves the tier when a user's call meets it
                     skipped.append(f"{case.label}: {e.error}")

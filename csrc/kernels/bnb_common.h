@@ -2,9 +2,9 @@
 // depend on the compiler's fast-math setting.
 #pragma once
 
-#include <metal_stdlib>
-// Before any kernel code: the pinned floating-point mode (safe math, no contraction).
+// First, before the standard library: the pinned floating-point mode (safe math, no contraction).
 #include "bnb_math_mode.h"
+#include <metal_stdlib>
 using namespace metal;
 
 // Instantiates a templated kernel under a host name (the name executors look up).

@@ -1,31 +1,29 @@
 // The kernels' floating-point mode, pinned in the source: safe (IEEE) math and no contraction of
-// a * b + c into one fused multiply-add, whatever math mode the compiler is asked for. Included
-// by bnb_common.h before any kernel code, so it covers every kernel.
+// a * b + c into one fused multiply-add, whatever the compiler is asked for. Every `.metal` file
+// includes this header first, before <metal_stdlib> (as Dawn puts its pragmas before the standard
+// library), so that it covers the whole compile unit: the kernels and the library functions they
+// inline alike. (bnb_common.h includes it too, first, for any other file.)
 //
-// `#pragma METAL fp math_mode(safe | relaxed | fast)` and `#pragma METAL fp contract(off | on |
-// fast)` are the Metal Shading Language's spellings; at file scope they hold for the rest of the
-// translation unit. Both are needed: safe math still contracts within a statement (contract "on").
-// They are compiled for Metal 3.2 and later only (__METAL_VERSION__ >= 320; 4.0 is 400): earlier
-// language versions are not known to honour them. Which version each executor compiles with:
-// - shader tier, torch.mps.compile_shader (torch's MTLCompileOptions, read in its released macOS
-//   wheels): torch >= 2.11 asks for Metal 3.2 on macOS 15 and 4.0 from macOS 26, so the pragmas
-//   apply there; on macOS 14, and with torch 2.7 to 2.10 on any macOS, it asks for 3.1 at most
-//   and they do not. There torch's own mode holds: safe, or fast when the environment sets
-//   PYTORCH_MPS_FAST_MATH (bnb_mps/executors/shader.py warns once when that happens).
-// - native tier: the runtime compile in csrc/mps_ops.mm asks for Metal 3.2 from macOS 15 on, so
-//   the pragmas apply there, and for 3.1 on macOS 14, where they do not; the offline metallib is
-//   built with -std=metal3.1 (csrc/metal_toolchain.cmake) and loaded on macOS 14 only. At 3.1 safe
-//   math comes from the compile options (-fno-fast-math offline), and the optimizer update keeps
-//   its own no-contraction (optimizer.h).
-// - the emulator and the address-space check define __METAL_VERSION__ 310 and never see them
-//   (the emulator compiles as C++ with -fno-fast-math -ffp-contract=off).
+// - `#pragma clang fp contract(off)`: no contraction, at every Metal language version. Metal's
+//   compiler is clang, and a measurement on an M4 found this pragma effective without Metal 3.2,
+//   while safe math alone (mathMode = Safe, or fastMathEnabled = NO) still contracts `a*b + c`.
+//   So it is unconditional: the same op gives the same bits at Metal 3.1 (the native tier on
+//   macOS 14 or built with an older SDK, the offline metallib, the shader tier on macOS 14 or with
+//   torch 2.7 to 2.10), 3.2 and 4.0. (The scripts/mac_acceptance.sh probes check it on hardware.)
+// - `#pragma METAL fp math_mode(safe)` / `#pragma METAL fp contract(off)`: the Metal Shading
+//   Language's own spellings, from Metal 3.2 on (__METAL_VERSION__ >= 320; 4.0 is 400); below
+//   that, safe math comes from the compile options (the native tier's, torch's unless
+//   PYTORCH_MPS_FAST_MATH is set, -fno-fast-math offline).
+// - No pragma chooses the math *function* library: fast math (PYTORCH_MPS_FAST_MATH) also selects
+//   the fast variants of sqrt, exp, ... for unqualified calls. So the kernels call only
+//   `metal::precise::` functions, a rule the MSL lint enforces (bnb_mps.msl.lint, rule float-math).
+// The emulator and the address-space check define __METAL_VERSION__ 310; the emulator compiles
+// as C++ with -fno-fast-math -ffp-contract=off (g++ ignores the clang pragma, clang applies it).
 #pragma once
+
+#pragma clang fp contract(off)
 
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
 #pragma METAL fp math_mode(safe)
 #pragma METAL fp contract(off)
-// 1 where the pragmas above pin the mode, else 0.
-#define BNB_FP_MODE_PINNED 1
-#else
-#define BNB_FP_MODE_PINNED 0
 #endif

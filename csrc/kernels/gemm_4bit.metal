@@ -33,6 +33,7 @@
 //   batch: (128, 1, 1); (ceil(N / 8), ceil(M / 8), 1)       K % 16 == 0
 //   mma:   (128, 1, 1); (ceil(M / 32), ceil(N / 64), 1)     any K
 // Limits (op layer): N*K, (M - 1) * lda + K and M*N below 2^32 - 8192.
+#include "bnb_math_mode.h"
 #include "gemm_4bit.h"
 
 #define BNB_INSTANTIATE_MATMUL4(sname, nested, tname, type)                                                  \

@@ -23,7 +23,7 @@ inline int bnb_int8_round(float v) {
     if (bnb_is_nan(v)) {
         return 0;
     }
-    return int(clamp(rint(v), -127.0f, 127.0f));
+    return int(metal::precise::clamp(metal::precise::rint(v), -127.0f, 127.0f));
 }
 
 // fl32(127 / max), IEEE-exact whatever the fast-math setting; max is a non-negative float given

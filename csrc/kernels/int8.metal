@@ -102,6 +102,7 @@
 //   buffer(12) subA         device <dt>*         M x n_out: Afp[:, outlier_cols] (mixed only)
 //   buffer(13) n_out        constant uint&       0: plain int8_scaled_mm (buffers 10-12 unused,
 //                                                any buffer)
+#include "bnb_math_mode.h"
 #include "int8_matmul.h"
 
 #define BNB_INT8_QUANT_ALL(tname, type)                                                                         \

@@ -87,14 +87,8 @@ inline float bnb_optim_element(float g, thread float& p, thread float& m, thread
                                float lr_step, thread const bnb_optim_hyper& h) {
     // One rounding per operation, as docs/semantics.md writes the formulas: no fused multiply-adds here (a
     // contracted beta * m + (1 - beta) * g differs from the float32 reference by up to half an
-    // ulp of the product, which is many ulps of m where the two terms nearly cancel). From Metal
-    // 3.2 on, bnb_math_mode.h turns contraction off for every kernel; below that (the native
-    // tier's Metal 3.1, and torch's compile_shader on macOS 14 or before torch 2.11) this function
-    // keeps clang's spelling, which Metal's clang-based compiler is expected to honour (not yet
-    // checked on a Mac). The emulator compiles with -ffp-contract=off either way.
-#if !BNB_FP_MODE_PINNED
-#pragma clang fp contract(off)
-#endif
+    // ulp of the product, which is many ulps of m where the two terms nearly cancel). bnb_math_mode.h
+    // turns contraction off for every kernel, at every Metal language version.
     const float gs = g * h.gnorm_scale;
     float u = 0.0f;
     if (OPT == BNB_OPTIM_ADAM || OPT == BNB_OPTIM_ADEMAMIX) {

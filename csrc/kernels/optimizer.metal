@@ -44,6 +44,7 @@
 //   threadgroup: (256, 1, 1); threadgroup t updates the 2048-element chunks t + k * T
 //   grid:        (T, 1, 1) threadgroups, any T >= 1, the same T for the unorm pass and the update
 //                that follows it (the op layer: min(ceil(n / 2048), 1024))
+#include "bnb_math_mode.h"
 #include "optimizer.h"
 
 #define BNB_INSTANTIATE_OPTIM_DT(oname, opt, tname, type)                                                     \

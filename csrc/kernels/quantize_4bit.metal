@@ -22,6 +22,7 @@
 //   buffer(4) blocksize_log2  constant uint&  log2 of the blocksize (a power of two, >= 2)
 //   threadgroup: (256, 1, 1)
 //   grid:        (ceil(ceil(n / 2) / 1024), 1, 1) threadgroups
+#include "bnb_math_mode.h"
 #include "quantize_4bit.h"
 
 #define BNB_INSTANTIATE_QUANT4(qname, quant, tname, type, bs) \

@@ -22,6 +22,7 @@
 //   buffer(5) blocksize_log2  constant uint&  log2 of the blocksize (a power of two)
 //   threadgroup: (256, 1, 1)
 //   grid:        (ceil(n / 2048), 1, 1) threadgroups
+#include "bnb_math_mode.h"
 #include "quantize_8bit.h"
 
 #define BNB_INSTANTIATE_QUANT8(tname, type, bs) \

@@ -1,3 +1,4 @@
+#pragma clang fp contract(off)
 #ifndef BNB_KERNEL_INSTANTIATE
 #define BNB_KERNEL_INSTANTIATE(host, fn, ...) template [[host_name(host)]] [[kernel]] decltype(fn<__VA_ARGS__>) fn<__VA_ARGS__>;
 #endif
@@ -50,8 +51,8 @@ template <typename T>
 
     // SIMD-group functions, maths
     acc = simd_sum(acc) + simd_max(acc) + simd_shuffle_down(acc, 1) + simd_broadcast(acc, lane);
-    acc = metal::precise::divide(1.0f, acc) + metal::fast::exp(acc) + precise::sqrt(fabs(acc));
-    acc = clamp(acc, 0.0f, 1.0f) + select(0.0f, 1.0f, isnan(acc)) + fma(acc, acc, acc);
+    acc = metal::precise::divide(1.0f, acc) + metal::precise::exp(acc) + precise::sqrt(precise::fabs(acc));
+    acc = metal::precise::clamp(acc, 0.0f, 1.0f) + select(0.0f, 1.0f, isnan(acc)) + fma(acc, acc, acc);
     acc += float(popcount(n)) + numeric_limits<float>::epsilon() + INFINITY * 0.0f;
     Pair pr = {acc, 1.0f};
     acc += pr.sum();

@@ -1,5 +1,6 @@
 // Legitimate MSL that the lint must accept. Mentions in comments do not count: double, std::,
 // printf("x"), [](){}, float* p; #include <cmath>
+#pragma clang fp contract(off)  // the project's kernels include bnb_math_mode.h for this
 #include <metal_stdlib>
 #include <metal_simdgroup>
 #include "clean_helper.h"

@@ -22,6 +22,7 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
     MTLLanguageVersion3_0 BNB_STUB_AVAILABLE(13.0) = (3 << 16) + 0,
     MTLLanguageVersion3_1 BNB_STUB_AVAILABLE(14.0) = (3 << 16) + 1,
     MTLLanguageVersion3_2 BNB_STUB_AVAILABLE(15.0) = (3 << 16) + 2,
+    MTLLanguageVersion4_0 BNB_STUB_AVAILABLE(26.0) = (4 << 16) + 0,
 };
 
 typedef NS_ENUM(NSInteger, MTLMathMode){
