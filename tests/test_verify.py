@@ -39,7 +39,7 @@ from bnb_mps.ops import verify as verification
 KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "kernels"
 MPS = DispatchKeySet(DispatchKey.MPS)
 ALL = set(verification.FAMILIES)
-MATMUL = {"matmul_4bit_gemv", "matmul_4bit_batch", "matmul_4bit_mma"}
+MATMUL = {"matmul_4bit_gemv", "matmul_4bit_tglut", "matmul_4bit_batch", "matmul_4bit_mma"}
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning"),
@@ -208,7 +208,7 @@ SINGLE_FAULTS = [
           "    for (uint k = 0; k < 4u; ++k) {\n        // blocksize is even",
           "    for (uint k = 0; k < 3u; ++k) {\n        // blocksize is even", {"nf4_fp4": ""}),
     Fault("dropped bias in the 4-bit products", "gemm_4bit.h", "        v += float(bias[n]);", "",
-          dict.fromkeys(MATMUL, " bias:")),
+          dict.fromkeys(MATMUL, r" bias( \(gemv/tglut\))?:")),
     Fault("off-by-one threshold table of the 8-bit quantizer", "quantize_8bit.h",
           "for (uint k = tid; k < 255u; k += threads) {", "for (uint k = tid; k < 254u; k += threads) {",
           {"blockwise_8bit": "", "optimizer_8bit": ""}),
