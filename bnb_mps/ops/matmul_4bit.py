@@ -329,8 +329,9 @@ gemv_4bit_out = kernel_of("gemv_4bit.out")
 
 # -- the CPU fallback's composition ------------------------------------------------------------------
 #
-# docs/semantics.md section 4 on the CPU: the weight dequantized to float32, a float32 product (bias
-# added in float32), rounded once to A's dtype. Not bitsandbytes' CPU kernels: on CPUs with
+# docs/semantics.md section 4 on the CPU: the weight dequantized to float32 and rounded to A's dtype (as
+# dequantize_4bit gives it in that dtype), a float32 product (bias added in float32), rounded once to A's
+# dtype. Not bitsandbytes' CPU kernels: on CPUs with
 # AVX512-BF16, bitsandbytes 0.50.2 registers a CPU gemv_4bit that reads the weight in its own packed
 # CPU layout (the one Linear4bit converts weights to on such CPUs), so it returns wrong values for the
 # standard layout these ops take; its CPU gemm_4bit dequantizes through the path dequantize_4bit_cpu
@@ -339,6 +340,7 @@ gemv_4bit_out = kernel_of("gemv_4bit.out")
 
 
 def _linear_float32(A, W, bias):
+    W = W.to(A.dtype).float()  # (a no-op for float32 A)
     out = torch.nn.functional.linear(A.float(), W, None if bias is None else bias.float())
     return out.to(A.dtype)
 
