@@ -567,13 +567,12 @@ def _unit_blocks(N: int, K: int, blocksize: int, quant_type: str, seed: int) -> 
 
 
 def _flush_compare(got: Any, want: Any, what: str = "result") -> None:
-    """docs/semantics.md section 4's accuracy rule against the flushed reference (section 7), with the
-    weight's parts (the gemv path's partial products: reference_matmul_4bit.subnormal_slack)."""
+    """docs/semantics.md section 4's accuracy rule against the flushed reference (section 7)."""
     import reference_matmul_4bit as R
 
-    A, W, parts, N = want
+    A, W, N = want
     try:
-        R.check_accuracy(got.reshape(-1, N), A.reshape(-1, A.shape[-1]), W, parts=parts,
+        R.check_accuracy(got.reshape(-1, N), A.reshape(-1, A.shape[-1]), W,
                          linear_device="mps" if torch.backends.mps.is_available() else "cpu")  # fmt: skip
     except AssertionError as e:
         raise AssertionError(f"{what}: {e}") from None
@@ -620,12 +619,11 @@ def matmul_4bit_flush_cases() -> Iterator[Case]:
 
 def _flush_case(label, A, packed, absmax, N, K, bs, qt, R, ieee: bool) -> Case:
     W = R.dequantized_weight(packed, (N, K), bs, qt, absmax)
-    parts = R.weight_parts(packed, (N, K), bs, qt, absmax)
     ieee_want = None
     if ieee:
         W_ieee = R.dequantized_weight(packed, (N, K), bs, qt, absmax, flush=False)
         ieee_want = torch.from_numpy(R.matmul(A, W_ieee)).to(A.dtype)
-    return Case(label, "gemm_4bit", (A, packed, [N, K], absmax, bs, qt), (A, W, parts, N), compare=_flush_compare,
+    return Case(label, "gemm_4bit", (A, packed, [N, K], absmax, bs, qt), (A, W, N), compare=_flush_compare,
                 ieee_want=ieee_want)
 
 
