@@ -31,9 +31,16 @@ def machine() -> dict[str, str]:
 
 
 def math_mode(tier: str, executor=None) -> Optional[str]:
-    """The float arithmetic the tier's kernels run with, where it can change their results: the
-    shader tier's math (PYTORCH_MPS_FAST_MATH reaches its kernels where torch compiles Metal below
-    3.2), the emulated tier's float mode (BNB_MPS_EMU_FLOAT, or the executor's own setting)."""
+    """The float arithmetic the tier's kernels run with, where it can change their results.
+
+    - shader: "safe math", or "fast math" where PYTORCH_MPS_FAST_MATH (read once per process, as
+      torch reads it) reaches the kernels' arithmetic: where torch compiles Metal below 3.2, which
+      the source's `#pragma METAL fp math_mode(safe)` needs. What it changes there is the float
+      arithmetic (reassociation, no NaNs or infinities assumed); never contraction (the source's
+      unconditional `#pragma clang fp contract(off)`) nor the math functions (the kernels call only
+      `metal::precise::` ones): bnb_mps.executors.shader says so in full.
+    - native: None (it sets its own compile options, safe math, whatever the variable says).
+    - emulated: its float mode (BNB_MPS_EMU_FLOAT, or the executor's own setting)."""
     if tier == "shader":
         from ...executors import shader
 
