@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-__version__ = "0.1.0"
-__all__ = ["register", "unregister", "backend_info", "verify", "__version__"]
+from ._version import __version__
+__all__ = ["register", "unregister", "backend_info", "verify", "tuning_table", "__version__"]
 
 _logger = logging.getLogger("bnb_mps")
 
@@ -106,6 +106,24 @@ def verify(tier: str | None = None, *, refresh: bool = False) -> dict:
     if refresh:
         routing.forget()  # routes follow the new verdicts
     return verdicts
+
+
+def tuning_table() -> list[dict]:
+    """The routes tuning chose on this machine: one entry per shape key, this process's choices and the
+    cached ones (bnb_mps.ops.tuning, docs/tuning.md). Each entry has `op`, `key` (the shape key, readable),
+    `choice` (the route that serves it), `default` (the route of the built-in order), `times` ({route:
+    seconds per call} of every candidate measured; inf for one testing.fixed_timings left out), `cached`
+    (True when read from disk), `tier`, `errors` ({route: error} of candidates that raised), `left_out`
+    ({route: why} of routes that were no candidates), `clock` ("gpu"; "host" where the times mean nothing
+    for a GPU, e.g. the emulated tier; "fixed" under testing.fixed_timings) and `seconds` (what measuring
+    took)."""
+    import torch
+
+    if not hasattr(torch.ops.bitsandbytes, "quantize_4bit"):
+        import bitsandbytes  # noqa: F401  (defines the schemas)
+    from .ops import tuning
+
+    return tuning.table()
 
 
 _entry_failed = False

@@ -1,5 +1,7 @@
 """`python -m bnb_mps` (or `bnb-mps`): `info` (the default) prints what serves bitsandbytes on this
-machine and how to get the fast path; `demo` fine-tunes a small model with QLoRA end to end."""
+machine and how to get the fast path; `verify` runs first-use verification now; `tune` measures the
+routes of 4-bit linear layers on this machine (bnb_mps.tune_command); `demo` fine-tunes a small model
+with QLoRA end to end."""
 
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ def diagnostics() -> str:
     for unit, why in getattr(sel.executor, "unit_failures", {}).items():  # (its kernels' ops route away)
         lines.append(f"  compile unit {unit}.metal did not compile: {why.strip().splitlines()[0] if why.strip() else '?'}")
     lines += [""] + op_table(bnb_mps.backend_info())
+    lines += [""] + tuning_lines(bnb_mps.tuning_table())
     unknown = registration.unknown_schemas()
     if unknown:
         lines += ["", "bitsandbytes schemas unknown to this bnb_mps (left to bitsandbytes): " + ", ".join(unknown)]
@@ -89,20 +92,38 @@ def diagnostics() -> str:
     return "\n".join(lines)
 
 
+def tuning_lines(rows: list[dict], limit: int = 40) -> list[str]:
+    """What tuning chose on this machine (this process's choices and the cached ones), a line each."""
+    from bnb_mps.ops import tuning
+
+    head = f"Tuning (BNB_MPS_TUNE={tuning.mode('native', 'mps')} on the GPU tiers; cache: {tuning.cache_path()}):"
+    if not rows:
+        return [head, "  no route measured yet on this machine for this bnb-mps (`python -m bnb_mps tune` measures "
+                      "4-bit linear layers now)"]  # fmt: skip
+    out = [head]
+    for r in sorted(rows, key=lambda r: (r["tier"], r["op"], r["key"]))[:limit]:
+        times = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in r["times"].items() if t != float("inf"))
+        clock = "" if r["clock"] == "gpu" else f", {r['clock']} clock"
+        out.append(f"  {r['tier']}: {r['key']}: {r['choice']} (built-in {r['default']}; {times}{clock})")
+    if len(rows) > limit:
+        out.append(f"  ... and {len(rows) - limit} more (bnb_mps.tuning_table())")
+    return out
+
+
 def _language(version) -> str:
     return f"Metal {version[0]}.{version[1]}" if version else "the OS compiler's default Metal version"
 
 
 def verify_table(verdicts: dict) -> list[str]:
-    """One row per kernel family: verdict, time, launches and bytes; each failure's case and each
-    skipped case below."""
+    """One row per kernel family: verdict, time, launches and bytes; below, each failure's case, each
+    family that passed only on its second run (with its first run's failure) and each skipped case."""
     out = [f"{'family':<18}  {'verdict':<7}  {'seconds':>7}  {'launches':>8}  {'bytes':>9}  from",
            f"{'-' * 18}  {'-' * 7}  {'-' * 7}  {'-' * 8}  {'-' * 9}  ----"]  # fmt: skip
     for name, v in verdicts.items():
         out.append(f"{name:<18}  {'passed' if v.passed else 'FAILED':<7}  {v.seconds:7.2f}  {v.launches:8d}  "
                    f"{v.bytes:9d}  {'cache' if v.cached else 'run now'}")  # fmt: skip
     for name, v in verdicts.items():
-        if not v.passed or v.skipped:
+        if not v.passed or v.skipped or v.first_failure:
             out += [""] + textwrap.wrap(f"{name}: {v.describe()}", width=100, subsequent_indent="    ",
                                         break_long_words=False, break_on_hyphens=False)  # fmt: skip
     return out
@@ -191,7 +212,7 @@ def main(argv=None) -> int:
     # the console script `bnb-mps` and `python -m bnb_mps` share this entry: name the one the user ran
     prog = "bnb-mps" if Path(sys.argv[0]).stem == "bnb-mps" else "python -m bnb_mps"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
-    commands = parser.add_subparsers(dest="command", metavar="{info,verify,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{info,verify,tune,demo}")
     commands.add_parser("info", help="which tier serves each bitsandbytes op here (the default)")
     verify_parser = commands.add_parser(
         "verify", help="verify every kernel family on this machine now and print the table",
@@ -203,6 +224,16 @@ def main(argv=None) -> int:
     verify_parser.add_argument("--cached", action="store_true",
                                help="take verdicts from the cache where it has them (default: run every family now)")
     verify_parser.add_argument("--json", metavar="PATH", help="also write the verdicts and the time taken as JSON")
+    tune_parser = commands.add_parser(
+        "tune", help="measure the routes of 4-bit linear layers on this machine now and print the speed table",
+        description="Measures every candidate route of gemm_4bit (kernel paths and variants, dequantize+linear, "
+        "bitsandbytes' own) for each weight shape and row count, as tuning does at first use, caches the choices, "
+        "and prints each route's time, the choice, GB/s at M=1 and TFLOPS at large M, against dense fp16 linear "
+        "(and MLX's quantized_matmul where mlx is installed).",
+    )  # fmt: skip
+    from . import tune_command
+
+    tune_command.add_arguments(tune_parser)
     demo_parser = commands.add_parser(
         "demo", help="QLoRA fine-tuning of a small Llama, end to end (needs transformers, peft, matplotlib)",
         description="QLoRA fine-tuning of a small Llama built from a config (nothing downloaded): 4-bit NF4 "
@@ -217,6 +248,8 @@ def main(argv=None) -> int:
         return demo.main(args)
     if args.command == "verify":
         return verify_command(args.tier, refresh=not args.cached, json_path=args.json)
+    if args.command == "tune":
+        return tune_command.main(args)
     print(diagnostics())
     return 0
 

@@ -103,6 +103,27 @@ def use_emulated_kernels(*, profile: bool = False, **settings) -> Iterator[Recor
             registration.unregister("CPU")
 
 
+@contextlib.contextmanager
+def fixed_timings(times: dict[str, float]) -> Iterator[None]:
+    """Under it, tuning's measurement (bnb_mps.ops.tuning) returns `times[route]` seconds for each
+    candidate route instead of timing it, so that a test on any machine drives every decision. Each
+    candidate still runs once on the fresh inputs (a route that raises is dropped, as when timed); a
+    candidate missing from `times` counts as slower than every one named.
+
+    Every shape key met under it is decided from `times` afresh: this process's earlier choices and
+    the disk cache are not read (the decisions made are written to the cache as usual). Where
+    BNB_MPS_TUNE is not set, tuning is on under it on every tier, the emulated one included. The op
+    layer's kept callables are dropped on entry and exit, so no call is served by a choice of before.
+
+        with fixed_timings({"mma": 2e-3, "dequantize+linear": 1e-3}):
+            y = torch.ops.bitsandbytes.gemm_4bit(A, B, [N, K], absmax, 64, "nf4")   # dequantize+linear
+    """
+    from .ops import tuning
+
+    with tuning.fixed(times):
+        yield
+
+
 class AllocationCounter:
     """Counts the tensor storages that PyTorch ops create while it is active (views, in-place
     updates and kernel launches create none), e.g. to check that an op allocates nothing beyond

@@ -101,6 +101,25 @@ class KernelLibrary {
   std::unique_ptr<Impl> impl_;
 };
 
+// Whether the GPU ran the command buffers that hold some launches, which torch's synchronize() does
+// not say (it waits for a command buffer but never reads its status). `track()`, right after a
+// launch, adds a completed handler to the command buffer of PyTorch's current MPS stream (the one
+// that launch was encoded into); after a synchronisation, `errors()` waits (at most
+// `timeout_seconds`) until every tracked buffer has reported and returns the error text of each
+// that failed (a GPU page fault, a watchdog timeout, ...), plus a line if some did not report in
+// time. First-use verification (bnb_mps/ops/verify) reads it; the launch path never does.
+class CommandBufferWatch {
+ public:
+  CommandBufferWatch();
+  void track();
+  std::vector<std::string> errors(double timeout_seconds);
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
 // The Metal language version KernelLibrary::compile requests here, {major, minor}: {3, 2} from macOS
 // 15 on when the module was built with the macOS 15 SDK or newer, {3, 1} on macOS 14 (and on every
 // macOS with an older SDK), {0, 0} (the OS compiler's default) before.

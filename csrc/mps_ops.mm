@@ -18,6 +18,8 @@
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -368,6 +370,57 @@ void KernelLibrary::encode(const std::string& kernel, const Dim3& grid, const Di
   }
 }
 
+struct CommandBufferWatch::State {
+  std::mutex mutex;
+  std::condition_variable reported;
+  size_t pending = 0;               // tracked buffers whose handler has not run yet
+  std::vector<std::string> errors;  // Metal's description of each failed one
+};
+
+CommandBufferWatch::CommandBufferWatch() : state_(std::make_shared<State>()) {}
+
+void CommandBufferWatch::track() {
+  std::shared_ptr<State> state = state_;  // the handler keeps the state alive
+  {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    ++state->pending;
+  }
+  try {
+    // On the stream's serial queue: the handler goes to its current command buffer (PyTorch owns
+    // it and commits it; this only listens).
+    at::mps::getCurrentMPSStream()->addCompletedHandler(^(id<MTLCommandBuffer> buffer) {
+      std::string error;
+      @autoreleasepool {  // (on a Metal thread: the error's description is autoreleased)
+        if (buffer.status == MTLCommandBufferStatusError) {
+          error = describe(buffer.error);
+        }
+      }
+      std::lock_guard<std::mutex> lock(state->mutex);
+      if (!error.empty()) {
+        state->errors.push_back(std::move(error));
+      }
+      --state->pending;
+      state->reported.notify_all();
+    });
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    --state->pending;
+    throw;
+  }
+}
+
+std::vector<std::string> CommandBufferWatch::errors(double timeout_seconds) {
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  const bool all = state_->reported.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
+                                             [&] { return state_->pending == 0; });
+  std::vector<std::string> out = state_->errors;
+  if (!all) {
+    out.push_back(std::to_string(state_->pending) + " watched command buffer(s) did not report completion within " +
+                  std::to_string(timeout_seconds) + " s");
+  }
+  return out;
+}
+
 std::pair<int, int> compile_language_version() {
   return request_language_version(nil);
 }
@@ -461,6 +514,23 @@ PYBIND11_MODULE(_native, m) {
             translate_errors([&] { self.launch(kernel, grid, threadgroup, bound); });
           },
           py::arg("kernel"), py::arg("grid"), py::arg("threadgroup"), py::arg("args"));
+
+  py::class_<bnb_mps::CommandBufferWatch>(m, "CommandBufferWatch")
+      .def(py::init<>())
+      .def("track",
+           [](bnb_mps::CommandBufferWatch& self) {
+             py::gil_scoped_release no_gil;  // (waits for the stream's queue)
+             translate_errors([&] { self.track(); });
+           })
+      .def(
+          "errors",
+          [](bnb_mps::CommandBufferWatch& self, double timeout) {
+            py::gil_scoped_release no_gil;
+            return self.errors(timeout);
+          },
+          py::arg("timeout") = 5.0,
+          "After a synchronisation: the error text of every tracked command buffer that failed (see "
+          "csrc/mps_ops.h).");
 
   m.def(
       "compile_library",

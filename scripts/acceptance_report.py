@@ -4,10 +4,10 @@ facts as JSON.
     python scripts/acceptance_report.py --out DIR --work DIR [--dry-run] [--repo DIR]
 
 Reads what the shell script left in the work directory (`steps.tsv`: one line per step with its
-exit status, seconds and log; `junit.xml` from pytest; `bench_*.json` from the benchmarks) and
-asks this Python (the acceptance venv's) about the machine: model, chip, memory, macOS, torch,
-bitsandbytes, the Metal language version the native library asks for, which executor tier
-loaded and which tier serves each op. Writes `acceptance-report.md` and `acceptance-report.json`
+exit status, seconds and log; `junit.xml` from pytest; `verify_*.json` from the verification steps;
+`bench_*.json` from the benchmarks) and asks this Python (the acceptance venv's) about the machine:
+model, chip, memory, macOS, torch, bitsandbytes, the Metal language version the native library asks
+for, which executor tier loaded and which tier serves each op. Writes `acceptance-report.md` and `acceptance-report.json`
 into --out. Nothing here needs a Mac: off macOS the machine section says so.
 """
 
@@ -384,7 +384,14 @@ def verification_markdown(v: dict[str, Any]) -> str:
         return "(not run)" if not cold else f"(results {cold.get('error', 'incomplete')})"
     rows = []
     for name, c in cold["families"].items():
-        verdict = "passed" if c.get("passed") else f"FAILED in {c.get('case')!r}: {c.get('error')}"
+        if c.get("passed"):
+            verdict = "passed"
+        elif c.get("could_not_run"):
+            verdict = f"COULD NOT RUN ({c.get('case')}): {c.get('error')}"
+        else:
+            verdict = f"FAILED in {c.get('case')!r}: {c.get('error')}"
+        if c.get("first_failure"):
+            verdict += f" (on a second run; the first {c['first_failure']})"
         if c.get("passed") and c.get("skipped"):
             verdict += f" ({len(c['skipped'])} case(s) skipped: {'; '.join(c['skipped'])})"
         rows.append([name, verdict, c.get("seconds"), c.get("launches"), c.get("bytes")])
@@ -399,6 +406,7 @@ def verification_markdown(v: dict[str, Any]) -> str:
         hits = sum(1 for c in cached.get("families", {}).values() if c.get("cached"))
         lines.append(f"Whole verification, cached: {cached['seconds']:.3f} s ({hits} of {len(cached.get('families', {}))} "
                      "families read from the cache).")  # fmt: skip
+    lines += ["", fault_markdown(v.get("fault"))]
     return "\n".join(lines)
 
 
@@ -425,6 +433,57 @@ def math_mode_markdown(probe: Optional[dict[str, Any]]) -> str:
     header = ["tier", "Metal", "source", "PYTORCH_MPS_FAST_MATH", "a*b+c contracted", "fma control fused",
               "NaN != NaN true", "unqualified sqrt != precise::sqrt"]  # fmt: skip
     return summary + "\n\n" + markdown_table(header, rows)
+
+
+def tuning_markdown(tune: Optional[dict[str, Any]], chart: Optional[str] = None) -> str:
+    """`python -m bnb_mps tune --json`: per weight shape and M, each route's time, the choice, the
+    built-in route, GB/s and share of peak at M = 1, TFLOPS from M = 64, and the reference rows."""
+    if not tune or "rows" not in tune:
+        return "(not run)" if not tune else f"(results {tune.get('error', 'incomplete')})"
+    order = ("gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes")
+    routes = [n for n in order if any(n in r["times"] for r in tune["rows"])]
+
+    def ms(t: Any) -> str:
+        return "-" if t is None else f"{t * 1e3:.4g}"
+
+    rows = []
+    for r in tune["rows"]:
+        times = [ms(r["times"][n]) + (" *" if n == r["choice"] else "") if n in r["times"]
+                 else ("error" if n in r.get("errors", {}) else "") for n in routes]  # fmt: skip
+        rows.append([r["shape"], r["M"], *times, r["choice"], r["default"],
+                     f"{r['gbps']:.1f}" if r.get("gbps") else "", f"{100 * r['share_of_peak']:.0f}%"
+                     if r.get("share_of_peak") else "", f"{r['tflops']:.2f}" if r.get("tflops") else "",
+                     ms(r.get("dense_fp16_linear")), ms(r.get("mlx_quantized_matmul"))])  # fmt: skip
+    head = (f"Tier {tune.get('tier')}, {tune.get('dtype')} activations, NF4 blocksize 64 with nested block scales; "
+            f"ms per call on the {'GPU' if tune.get('meaningful') else 'host'}'s clock (* the choice)."
+            + ("" if tune.get("meaningful") else " These host-clock times of emulated kernels mean nothing for a GPU."))
+    table = markdown_table(["N x K", "M", *routes, "choice", "built-in", "GB/s", "% peak", "TFLOPS",
+                            "fp16 linear (dense)", "MLX quantized_matmul"], rows)  # fmt: skip
+    errors = [f"- {r['shape']} M={r['M']} {n}: `{e}`" for r in tune["rows"] for n, e in r.get("errors", {}).items()]
+    parts = [head, "", table]
+    if errors:
+        parts += ["", "Routes that raised (dropped):", *errors]
+    parts += ["", f"Measured in {tune.get('seconds', 0):.1f} s in all."]
+    if chart:
+        parts += ["", f"![route times]({chart})"]
+    return "\n".join(parts)
+
+
+def fault_markdown(fault: Optional[dict[str, Any]]) -> str:
+    """The forced command-buffer error (tests/command_buffer_fault.py): "could not be verified", not cached."""
+    head = "A command-buffer error forced during verification (tests/fault_kernels/address_fault.metal)"
+    if not fault:
+        return f"{head}: not run."
+    if "error" in fault:
+        return f"{head}: results {fault['error']}."
+    if not fault.get("ran"):
+        return f"{head}: not run ({fault.get('why')})."
+    if "verdict" not in fault:
+        return f"{head}: FAILED ({fault.get('why')})."
+    result = "as it must be" if fault.get("ok") else "FAILED: it must be \"could not be verified\", a device error, not cached"
+    return (f"{head}, {fault['fault_launches']} fault launches in family {fault['family']}: {result}. Verdict: "
+            f"{fault['verdict']}; cached: {'yes' if fault.get('cached') else 'no'}; a clean verification right "
+            f"after: {fault.get('clean_after')}.")
 
 
 def _counts(b: dict[str, Any]) -> str:
@@ -513,6 +572,8 @@ def render_markdown(r: dict[str, Any]) -> str:
                 out.append(f"- ... and {len(failures) - 40} more (see the pytest log)")
     out += ["", "## Kernel verification (python -m bnb_mps verify)", "", verification_markdown(r.get("verification", {}))]
     out += ["", "## Float semantics on this GPU (scripts/probe_math_mode.py)", "", math_mode_markdown(r.get("math_mode"))]
+    out += ["", "## Tuning: the routes of 4-bit linear layers on this machine (python -m bnb_mps tune)", "",
+            tuning_markdown(r.get("tuning"), r.get("tuning_chart"))]
     out += ["", "## Benchmarks", ""]
     for name, bench in r["benchmarks"].items():
         out += [f"### {name}", "", bench["note"] if bench.get("note") else benchmark_markdown(bench.get("data")), ""]
@@ -566,8 +627,11 @@ def build_report(work: Path, dry_run: bool, repo: Path = REPO) -> dict[str, Any]
         "tests": group_tests(tests, families) if tests else None,
         "benchmarks": benchmarks,
         "verification": {"cold": read_benchmark(work / "verify_cold.json"),
-                         "cached": read_benchmark(work / "verify_cached.json")},
+                         "cached": read_benchmark(work / "verify_cached.json"),
+                         "fault": read_benchmark(work / "verify_fault.json")},
         "math_mode": read_benchmark(work / "probe_math_mode.json"),
+        "tuning": read_benchmark(work / "tune.json"),
+        "tuning_chart": "tune.png" if (work.parent / "tune.png").is_file() else None,
     }
     report["verdict"] = verdict(report)
     return report

@@ -1,7 +1,8 @@
 """Kernel benchmarks, one family of ops at a time.
 
-On a Mac with a working mps device: time per call of each op on the tier bnb_mps selected, side by
-side with stock bitsandbytes' own mps path (bnb_mps unregistered for that measurement) and, where
+On a Mac with a working mps device: time per call of each op on the tier bnb_mps selected (the route
+tuning chose for the shape, bnb_mps.ops.tuning: the warm-up calls measure it), side by side with stock
+bitsandbytes' own mps path (bnb_mps unregistered for that measurement) and, where
 there is one, a dense PyTorch baseline; bandwidth achieved (the bytes an op must move, over its
 time) and the share of the chip's peak bandwidth (bnb_mps.chips). Weights larger than the chip's
 system-level cache are rotated between copies so that every call reads memory, not cache.
@@ -96,8 +97,8 @@ def _gemm4bit_cases(mode: str) -> Iterator[Case]:
     """gemm_4bit (bnb.matmul_4bit's op) on double-quantized NF4 weights, blocksize 64, fp16 and bf16.
 
     On a Mac: the shapes of 7B-class models (N x K = out x in features) at M = 1, 8, 32 and 512
-    rows, side by side with stock bitsandbytes' mps path and a dense fp16 `linear`; at M = 1 also
-    the gemv kernel with its 16-entry table in threadgroup instead of constant memory.
+    rows, side by side with stock bitsandbytes' mps path and a dense fp16 `linear`. (Each route of a
+    shape, the kernel variants among them, is measured by `python -m bnb_mps tune`.)
     Required bytes: packed weight + 8-bit absmax + nested absmax + A + output.
     Emulated: small shapes, one per kernel path (gemv, batch, mma), plain and nested absmax.
     """
@@ -128,21 +129,12 @@ def _gemm4bit_cases(mode: str) -> Iterator[Case]:
         packed, *scales = [t.to(device) if t is not None else None for t in quantized[key]]
         return packed, scales
 
-    def case(N, K, M, dtype, nested, table="constant"):
+    def case(N, K, M, dtype, nested):
         def make(device):
             packed, (absmax, q8, code8, offset) = weight(N, K, nested, device)
             A = torch.randn(M, K, dtype=dtype).to(device)
-
-            def call():
-                from bnb_mps.ops import matmul_4bit, routing
-
-                if matmul_4bit.GEMV_TABLE != table:  # (the case's table; the next case sets its own)
-                    matmul_4bit.GEMV_TABLE = table
-                    routing.forget()  # the op layer keeps launch plans per call signature: made again
-                return torch.ops.bitsandbytes.gemm_4bit(A, packed, [N, K], absmax, blocksize, "nf4", None, q8, code8,
-                                                        offset)  # fmt: skip
-
-            return call
+            return lambda: torch.ops.bitsandbytes.gemm_4bit(A, packed, [N, K], absmax, blocksize, "nf4", None, q8,
+                                                            code8, offset)  # fmt: skip
 
         def dense(device):
             A = torch.randn(M, K, dtype=torch.float16, device=device)
@@ -158,10 +150,7 @@ def _gemm4bit_cases(mode: str) -> Iterator[Case]:
         scale_bytes = nblocks + 4 * math.ceil(nblocks / 256) if nested else 4 * nblocks
         required = (N * K + 1) // 2 + scale_bytes + M * K * dtype.itemsize + M * N * dtype.itemsize
         name = f"gemm_4bit nf4{' nested' if nested else ''} {str(dtype).removeprefix('torch.')} {N}x{K} M={M}"
-        if table != "constant":
-            name += f" ({table} table)"
-        return Case("gemm4bit", name, make, required, stock=table == "constant",
-                    baseline=dense if mode == "gpu" and table == "constant" else None,
+        return Case("gemm4bit", name, make, required, baseline=dense if mode == "gpu" else None,
                     baseline_name="fp16 linear, dense weight")  # fmt: skip
 
     for dtype in dtypes:
@@ -169,8 +158,6 @@ def _gemm4bit_cases(mode: str) -> Iterator[Case]:
             for nested in nested_options:
                 for M in rows:
                     yield case(N, K, M, dtype, nested)
-                    if M == 1 and mode == "gpu":
-                        yield case(N, K, M, dtype, nested, table="threadgroup")
 
 
 def _int8_cases(mode: str) -> Iterator[Case]:

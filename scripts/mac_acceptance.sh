@@ -6,7 +6,8 @@
 # In a fresh virtual environment it installs torch for macOS arm64, bitsandbytes and bnb-mps
 # (built natively with --no-build-isolation, so the Objective-C++ executor compiles against that
 # torch), then runs `python -m bnb_mps`, the whole test suite including the `mps` tests on both GPU
-# tiers (native and shader), and the kernel benchmarks in their short mode. It writes
+# tiers (native and shader), the kernel benchmarks in their short mode, and `python -m bnb_mps tune`
+# for one model (the routes of its 4-bit layers measured on this GPU). It writes
 # acceptance-report.md (paste it into an issue) and acceptance-report.json into the current
 # directory or --out DIR; logs, junit.xml and benchmark JSON go to DIR/acceptance-work/.
 #
@@ -139,6 +140,13 @@ step "kernel verification (cold)" "$WORK/verify_cold.log" "" -- \
 step "kernel verification (cached)" "$WORK/verify_cached.log" "" -- \
   env BNB_MPS_CACHE_DIR="$WORK/verify-cache" BNB_MPS_VERIFY_CACHE="$WORK/verify-cache/verify.json" \
     "$VPY" -m bnb_mps verify --cached --json "$WORK/verify_cached.json" || FAILED=1
+# A GPU fault during verification: a test-only kernel (tests/fault_kernels/address_fault.metal, compiled by
+# the native tier's compile path, never part of csrc/kernels) fails the command buffer of every launch of
+# one family. The family must come out as "could not be verified", with Metal's error text, and not be
+# cached; a clean verification right after must pass. (Not run where the native tier does not serve.)
+step "kernel verification meets a command-buffer error" "$WORK/verify_fault.log" "" -- \
+  env BNB_MPS_VERIFY_CACHE="$WORK/verify-fault-cache/verify.json" \
+    "$VPY" "$REPO/tests/command_buffer_fault.py" --json "$WORK/verify_fault.json" || FAILED=1
 
 # What the Metal compiler does with the kernels' float arithmetic on this GPU: a*b + c contracted or
 # not, per tier and language version, bare and behind bnb_math_mode.h, and under
@@ -158,6 +166,17 @@ step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
 step "host cost per op call" "$WORK/bench_op_overhead.log" "" -- \
   "$VPY" "$REPO/scripts/bench_op_overhead.py" --native --rounds "$([ "$DRY" = 1 ] && echo 2 || echo 15)" \
     --calls "$([ "$DRY" = 1 ] && echo 50 || echo 2000)" --json "$WORK/bench_op_overhead.json" || FAILED=1
+
+# Tuning (bnb_mps.ops.tuning): every route of one model's 4-bit layers measured on this GPU as at
+# first use (kernel paths and variants, dequantize+linear, bitsandbytes' own), against dense fp16
+# linear and, where mlx is installed, MLX's quantized_matmul; the table and the chart go into the
+# report. Its own cache file, so the run measures afresh. The dry run measures a small shape on the
+# emulated tier (host-clock figures that mean nothing for a GPU).
+TUNE_ARGS=(--model Llama-3-8B)
+[ "$DRY" = 1 ] && TUNE_ARGS=(--tier emulated --shapes 64x128 --m 1,8,40)
+step "tuning (python -m bnb_mps tune)" "$WORK/tune.log" "${TUNE_ARGS[*]}" -- \
+  env BNB_MPS_TUNE_CACHE="$WORK/tune-cache.json" "$VPY" -m bnb_mps tune "${TUNE_ARGS[@]}" --json "$WORK/tune.json" \
+    --chart "$OUT/tune.png" || FAILED=1
 
 if [ -f "$REPO/scripts/bench_optimizers.py" ]; then
   step "optimizer benchmarks (short)" "$WORK/bench_optimizers.log" "" -- \

@@ -117,6 +117,19 @@ def _verification_cache(tmp_path_factory):
     verify.reset()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tuning_cache(tmp_path_factory):
+    """Tuning's choices go to a file of this session (BNB_MPS_TUNE_CACHE), never to the user's
+    ~/.cache/bnb_mps/tune.json: timings fixed by tests (bnb_mps.testing.fixed_timings) would otherwise
+    decide the user's routes under this machine's real keys."""
+    from bnb_mps.ops import tuning
+
+    path = tmp_path_factory.mktemp("tuning") / "tune.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(tuning.CACHE_ENV_VAR, str(path))
+        yield path
+
+
 @pytest.fixture(autouse=True)
 def _bnb_mps_kernels_reinstated():
     """Ops that a test's calls handed back to bitsandbytes (no GPU tier here) are registered

@@ -8,15 +8,17 @@ Written from docs/semantics.md alone (sections 3 and 4), independent of any kern
   `scale_b = fl32(fl32(absmax_code[absmax_8bit[b]] * nested_absmax[b // 256]) + offset)` where an
   fp16/bf16 offset is upcast exactly;
 - the product is taken in float64: `y = A @ w.T + bias` (float64 products and sums of the exact
-  float32 / fp16 / bf16 inputs), i.e. the value the float32-accumulated kernel approximates before
-  its one rounding to the output dtype.
+  float32 / fp16 / bf16 inputs and of those float32 weights), i.e. the value the float32-accumulated
+  kernel approximates before its one rounding to the output dtype: every kernel forms each term as
+  `a * w` of that rounded weight, as dequantize_4bit followed by linear does, so only the order and
+  the float32 rounding of the sums differ from it.
 
 Apple GPUs flush float32 subnormals (docs/semantics.md section 7). With `flush=True` (the default,
 tests/spec_reference.py's `FLUSH`: what the kernels compute on a Mac and under the emulator's
 default "apple" float mode) the block scales, the nested decode's product and sum, the dequantized
 weights, the activations and the bias count as zero (of their sign) below 2^-126 (float16 values
 never are), and `check_accuracy` allows, on top of section 4's rounding, for the float32 products
-and partial sums below 2^-126 that the kernels' arithmetic flushes (`flush_slack`). `flush=False` is
+and partial sums below 2^-126 that the kernels' arithmetic flushes (`subnormal_slack`). `flush=False` is
 plain IEEE float32 (the emulator's "ieee" mode, CUDA, and the CPU).
 """
 
@@ -103,55 +105,35 @@ _AT_RISK = 2.0**-96
 _TINY = 2.0**-126
 
 
-def subnormal_slack(A: torch.Tensor, W: np.ndarray, parts=None, flush: bool | None = None) -> np.ndarray:
+def subnormal_slack(A: torch.Tensor, W: np.ndarray, flush: bool | None = None) -> np.ndarray:
     """How far the kernels may be from the float64 y = A @ W.T because of float32 values below 2^-126,
     per output element ([M, N], float64), beyond section 4's rounding. A and W as the reference
-    takes them (flushed with `flush`); `parts`: W's (table values, block scales) from weight_parts
-    (None: the weight's own values, with scales of 1).
+    takes them (flushed with `flush`; W is the dequantized weight, fl32(table * scale), that every
+    kernel multiplies by).
 
-    The kernels form a term as a * w (the mma path) or as scale * (sum of a * table) (the gemv and
-    batch paths, which apply the block scale after the dot product).
-    - flush (docs/semantics.md section 7): a term is at risk where a * table * scale lies below
-      2^-96, or a * table does for a normal a, or table * scale is a float32 subnormal for a normal
-      scale (the flushed weight is 0 there, the gemv path's product may keep it). It may be kept or
-      lost, and the partial sums it brings below 2^-126 may be flushed (each less than 2^-126 in
-      the accumulator's units, which the gemv path then scales by the block scale):
-      |a * table * scale| + 2^-124 * max(1, scale) per at-risk term, plus 2^-125 for the final sum
-      and bias.
-    - IEEE: subnormal results are rounded to multiples of 2^-149: a weight table * scale below 2^-126
-      is off by up to 2^-150 (|a| * 2^-149 per term, the gemv path not rounding it), a product a * w
-      or a * table below 2^-126 by 2^-150 (times the scale for a * table).
+    Every kernel forms each term as a * w of the activation and that weight (docs/semantics.md
+    section 4), so only the products and the sums can be affected:
+    - flush (docs/semantics.md section 7): a term a * w below 2^-96 is at risk: it may be kept or
+      lost, and the partial sums it brings below 2^-126 may be flushed (each losing less than
+      2^-126): |a * w| + 2^-124 per at-risk term, plus 2^-125 for the final sum and bias.
+    - IEEE: a product a * w below 2^-126 is rounded to a multiple of 2^-149 (off by up to 2^-150).
     Where no term is at risk (ordinary data, and the tests' special values, whose flushed inputs are
     exact zeros) the slack is 2^-125 with flush and 0 without."""
     fl = ref._flush(flush)
     a = np.abs(A.detach().to(torch.float64).numpy())
-    if parts is None:
-        t, s = np.abs(W).astype(np.float64), np.ones(W.shape)
-    else:
-        t, s = np.abs(parts[0]).astype(np.float64), np.abs(parts[1]).astype(np.float64)
-    ts = t * s
+    w = np.abs(W).astype(np.float64)
     M, N = a.shape[0], W.shape[0]
     slack = np.full((M, N), 2.0**-125 if fl else 0.0)
-    a_nz, t_nz, ts_nz = a[a > 0], t[t > 0], ts[ts > 0]
-    if not (a_nz.size and t_nz.size and ts_nz.size):
+    a_nz, w_nz = a[a > 0], w[w > 0]
+    if not (a_nz.size and w_nz.size):
         return slack
     low = _AT_RISK if fl else _TINY
-    if a_nz.min() * t_nz.min() >= low and a_nz.min() * ts_nz.min() >= low and ts_nz.min() >= _TINY:
+    if a_nz.min() * w_nz.min() >= low:
         return slack  # no term at risk anywhere
     for m in range(M):
-        am = a[m][None, :]
-        term, at = am * ts, am * t
-        if fl:
-            # (a and the scales are zero or normal once flushed: the last two conditions are about the
-            # kernels' intermediate products of normal operands)
-            risky = ((term > 0) & (term < low)) | ((am >= _TINY) & (at > 0) & (at < low)) | \
-                ((am > 0) & (s >= _TINY) & (ts > 0) & (ts < _TINY))
-            slack[m] += np.where(risky, term + 2.0**-124 * np.maximum(1.0, s), 0.0).sum(axis=1)
-        else:
-            e = np.where((ts > 0) & (ts < _TINY), am * 2.0**-149, 0.0)
-            e += np.where((term > 0) & (term < _TINY), 2.0**-149, 0.0)
-            e += np.where((at > 0) & (at < _TINY), 2.0**-149 * s, 0.0)
-            slack[m] += e.sum(axis=1)
+        term = a[m][None, :] * w
+        risky = (term > 0) & (term < low)
+        slack[m] += np.where(risky, term + 2.0**-124 if fl else 2.0**-150, 0.0).sum(axis=1)
     return slack
 
 
@@ -230,9 +212,20 @@ def fp32_ulps(K: int) -> float:
 AGGREGATE_MIN = 256
 
 
+def in_dtype(W: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """The float32 dequantized weight W as `dequantize_4bit` gives it in `dtype` (rounded to nearest
+    even, beyond float16's range infinite), as float64 values: what the kernels multiply activations
+    of that dtype by (docs/semantics.md section 4)."""
+    if dtype == torch.float32:
+        return W.astype(np.float64)
+    return torch.from_numpy(np.asarray(W, dtype=F32)).to(dtype).to(torch.float64).numpy()
+
+
 def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, linear_device="cpu", *,
-                   flush: bool | None = None, parts=None) -> dict:  # fmt: skip
+                   flush: bool | None = None) -> dict:  # fmt: skip
     """Asserts docs/semantics.md section 4's accuracy target for y ~ A @ W.T (+ bias) and returns the figures.
+    W is the float32 dequantized weight; the product is taken with it in A's dtype (`in_dtype`), as
+    the kernels take it, and y64 below is that product in float64.
 
     - float32: |y - linear32| <= fp32_ulps(K) ulps of S per element, where linear32 is torch's
       float32 `linear(A, W)` of the same dequantized weight (and bias).
@@ -243,20 +236,25 @@ def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, l
     `linear_device` is where torch's fp16/bf16 linear of the comparison runs. y, A, bias: CPU tensors.
 
     With `flush` (default `spec_reference.FLUSH`), W must be the flushed weight (dequantized_weight's
-    default), and A and bias count as flushed. Every bound grows by `subnormal_slack` (`parts`: the
-    weight's (table values, block scales) from weight_parts, for the gemv path's partial products),
-    which is nothing or next to nothing unless products fall near or below 2^-126. The comparison
+    default), and A and bias count as flushed. Every bound grows by `subnormal_slack`, which is
+    nothing or next to nothing unless products fall near or below 2^-126. The comparison
     in aggregate leaves out the elements where the dequantize-then-linear path is not finite (a
     weight beyond the range of A's dtype).
     """
     K = A.shape[-1]
     fl = ref._flush(flush)
     A, bias = flushed(A, fl), flushed(bias, fl)
-    slack = subnormal_slack(A.reshape(-1, K), W, parts, fl)
+    W = in_dtype(W, y.dtype)  # the weight the kernels multiply by (exact as float64)
+    slack = subnormal_slack(A.reshape(-1, K), W, fl)
     want = matmul(A, W, bias)
     S = magnitude(A, W, bias)
     got = as_f64(y)
     assert got.shape == want.shape, (got.shape, want.shape)
+    # Where the reference is not finite (a weight beyond float16's range, an overflowing sum), y must be too.
+    inf = ~np.isfinite(want)
+    assert ((got[inf] == want[inf]) | (np.isnan(got[inf]) & np.isnan(want[inf]))).all(), "non-finite outputs differ"
+    if inf.any():
+        got, want, S, slack = (np.where(inf, 0.0, x) for x in (got, want, S, slack))
     # (float32: always the CPU's IEEE linear, the reference the target names)
     lin = as_f64(dequantize_then_linear(A, W, bias, "cpu" if y.dtype == torch.float32 else linear_device))
     if got.size == 0:

@@ -24,7 +24,9 @@ its kernels by what the CPU has:
 None of these paths can be taken on a CPU without the instructions: the gemv kernel is compiled
 for AVX512-BF16 (elsewhere it dies of an illegal instruction) and the library itself chooses the
 dequantize path. `avx512_cpu()` therefore registers these models where bitsandbytes registers its
-CPU kernels (each op's CPU dispatch key) for the duration of a `with` block.
+CPU kernels (each op's CPU dispatch key) for the duration of a `with` block. Where this CPU does
+take a path (`missing_paths()` says which it does not), tests/test_stock_cpu_paths.py compares the
+model with bitsandbytes' real kernel, so that the models cannot drift from what they model.
 """
 
 from __future__ import annotations
@@ -86,6 +88,38 @@ def dequantize_4bit_avx512(A, absmax, blocksize, quant_type, shape, dtype):
 def int8_linear_matmul_avx512(A, B):
     """bitsandbytes' own CPU int8_linear_matmul for CPUs torch rates "AVX512" (pure PyTorch)."""
     return torch._int_mm(A.reshape(-1, A.shape[-1]), B.t()).reshape(*A.shape[:-1], B.shape[0])
+
+
+def _cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU (Linux: /proc/cpuinfo), or none elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def missing_paths() -> dict[str, str]:
+    """schema -> why bitsandbytes does not take the modelled path on this CPU (empty where it takes
+    every one): what bitsandbytes' own checks read, as its CPU backend (bitsandbytes/backends/cpu/ops.py)
+    reads them when it registers its kernels."""
+    import bitsandbytes.backends.cpu.ops as cpu_ops
+    from bitsandbytes.functional import has_avx512bf16
+
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    missing = {}
+    if not has_avx512bf16():
+        missing["gemv_4bit"] = "no AVX512-BF16: bitsandbytes registers no CPU gemv_4bit kernel"
+    elif getattr(cpu_ops, "gemm_4bit_forward_kernel", None) is not None:
+        missing["gemv_4bit"] = "the kernels package's gemm_4bit_forward serves gemv_4bit instead of the modelled one"
+    if not (avx512 and "avx512f" in _cpu_flags()):
+        missing["dequantize_4bit"] = "not a CPU with AVX-512F that torch rates AVX512"
+    if not avx512:
+        missing["int8_linear_matmul"] = f"torch rates this CPU {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    return missing
 
 
 #: schema -> the model of its CPU kernel on an AVX-512 (with BF16) CPU

@@ -124,6 +124,44 @@ def test_benchmark_tables_for_every_format():
     assert "native tier, real launches on mps: not measured (the native tier does not serve here)" in md
 
 
+def test_tuning_table_in_the_report():
+    tune = {"tier": "native", "dtype": "float16", "meaningful": True, "seconds": 3.5, "rows": [
+        {"shape": "4096x4096", "M": 1, "times": {"gemv": 1.1e-4, "gemv/tglut": 1.0e-4, "mma": 3e-4}, "choice": "gemv/tglut",
+         "default": "gemv", "errors": {"batch": "RuntimeError: x"}, "gbps": 84.2, "share_of_peak": 0.7, "tflops": None,
+         "dense_fp16_linear": 2.9e-4, "mlx_quantized_matmul": None}]}  # fmt: skip
+    md = ar.tuning_markdown(tune, "tune.png")
+    assert "| 4096x4096 | 1 | 0.11 | 0.1 * | 0.3 | gemv/tglut | gemv | 84.2 | 70% |  | 0.29 | - |" in md
+    assert "- 4096x4096 M=1 batch: `RuntimeError: x`" in md and "![route times](tune.png)" in md
+    assert "on the GPU's clock" in md and ar.tuning_markdown(None) == "(not run)"
+
+
+def test_the_forced_command_buffer_error_in_the_report():
+    """tests/command_buffer_fault.py's result: "could not be verified" and not cached is as it must be;
+    anything else says FAILED (the step's exit status fails the run too)."""
+    head = "A command-buffer error forced during verification"
+    assert ar.fault_markdown(None) == f"{head} (tests/fault_kernels/address_fault.metal): not run."
+    assert "not run (the native tier does not serve here: x)" in ar.fault_markdown(
+        {"ran": False, "why": "the native tier does not serve here: x"})
+    good = {"ran": True, "ok": True, "family": "int8_quant", "fault_launches": 42, "cached": False,
+            "verdict": "could not be verified (case '(after the launches)'): the GPU reported an error in a command "
+                       "buffer of the launches: Caused GPU Address Fault Error", "could_not_run": True,
+            "device_error": True, "clean_after": "passed", "clean_passed": True}  # fmt: skip
+    md = ar.fault_markdown(good)
+    assert "42 fault launches in family int8_quant: as it must be" in md and "Caused GPU Address Fault Error" in md
+    assert "cached: no; a clean verification right after: passed." in md
+    bad = {**good, "ok": False, "cached": True, "verdict": "failed in case 'x': y", "could_not_run": False}
+    assert "FAILED: it must be" in ar.fault_markdown(bad) and "cached: yes" in ar.fault_markdown(bad)
+    assert "FAILED (boom)" in ar.fault_markdown({"ran": True, "ok": False, "why": "boom"})
+    family_rows = {"cold": {"tier": "native", "kernels": "k", "seconds": 1.0, "families": {
+        "nf4_fp4": {"passed": True, "first_failure": "failed in case 'q': 3 of 8 elements differ", "seconds": 0.1,
+                    "launches": 4, "bytes": 8},
+        "int8_quant": {"passed": False, "could_not_run": True, "case": "(after the launches)", "error": "GPU error",
+                       "seconds": 0.1, "launches": 4, "bytes": 8}}}}  # fmt: skip
+    md = ar.verification_markdown(family_rows)
+    assert "passed (on a second run; the first failed in case 'q': 3 of 8 elements differ)" in md
+    assert "COULD NOT RUN ((after the launches)): GPU error" in md
+
+
 def test_refuses_to_run_without_apple_silicon(tmp_path):
     if sys.platform == "darwin":
         pytest.skip("this is a Mac")
@@ -144,11 +182,13 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     md = (tmp_path / "acceptance-report.md").read_text()
     data = json.loads((tmp_path / "acceptance-report.json").read_text())
     assert data["dry_run"] and data["verdict"].startswith("DRY RUN passed")
-    assert [s["name"] for s in data["steps"]][:8] == ["create the venv and install bnb-mps", "python -m bnb_mps",
+    assert [s["name"] for s in data["steps"]][:9] == ["create the venv and install bnb-mps", "python -m bnb_mps",
                                                       "test suite", "kernel verification (cold)",
-                                                      "kernel verification (cached)", "math mode probes",
-                                                      "kernel benchmarks (short)", "host cost per op call"]
-    assert all(s["status"] == 0 for s in data["steps"][:8])
+                                                      "kernel verification (cached)",
+                                                      "kernel verification meets a command-buffer error",
+                                                      "math mode probes", "kernel benchmarks (short)",
+                                                      "host cost per op call"]
+    assert all(s["status"] == 0 for s in data["steps"][:9])
     # the float-semantics probes (the emulator here): every row rounds a*b + c twice, the fma control fuses
     rows = data["math_mode"]["rows"]
     assert {r["source"] for r in rows} == {"bare", "pinned"}
@@ -158,8 +198,11 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     # First-use verification, cold then from the cache (the emulated tier here: no GPU tier).
     cold, cached = data["verification"]["cold"], data["verification"]["cached"]
     assert cold["tier"] == "emulated" and all(f["passed"] and not f["cached"] for f in cold["families"].values())
-    assert all(f["cached"] for f in cached["families"].values()) and cached["seconds"] < cold["seconds"]
+    assert all(f["cached"] for f in cached["families"].values())  # (read, not run: no timing needed to tell)
     assert "## Kernel verification" in md and "Whole verification, cached" in md
+    # The forced command-buffer error needs the native tier: not run here, and the report says why.
+    assert data["verification"]["fault"] == {"ran": False, "why": data["verification"]["fault"]["why"]}
+    assert "the native tier does not serve here" in md
     assert data["tests"]["totals"]["passed"] > 0 and data["tests"]["totals"]["failed"] == 0
     assert set(data["tests"]["gpu_families"]) >= {"blockwise_8bit", "nf4_fp4"}
     assert data["benchmarks"]["kernels (scripts/bench_kernels.py --short)"]["data"]["mode"] == "emulated"
@@ -168,6 +211,11 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     assert overhead["mode"] == "host" and set(overhead["no_op_launch"]["rows"]) and "error" in overhead["native"]
     assert "op layer, kernel launch replaced by a no-op" in md and "native tier, real launches on mps: not measured" in md
     assert data["machine"]["torch"] and data["tiers"]["ops"]
+    # python -m bnb_mps tune on a small shape (the emulated tier here: host-clock times, said so)
+    tune = data["tuning"]
+    assert tune["tier"] == "emulated" and not tune["meaningful"] and [r["M"] for r in tune["rows"]] == [1, 8, 40]
+    assert "## Tuning" in md and "mean nothing for a GPU" in md and (tmp_path / "tune.png").is_file() == (
+        "![route times](tune.png)" in md)  # fmt: skip
     # bnb-mps ran from the new venv, installed there
     venv_site = tmp_path / "acceptance-work" / "venv"
     assert list(venv_site.glob("lib/python*/site-packages/_editable_skbc_bnb_mps.pth"))

@@ -1,6 +1,7 @@
 """The gemm4bit family of scripts/bench_kernels.py: off a Mac it runs every kernel path on the
 emulated tier (one launch, nothing allocated beyond the output, no host reads); on a Mac it
-covers the issue's shapes, row counts, dtypes and table placements."""
+covers the issue's shapes, row counts and dtypes (`python -m bnb_mps tune` measures each route of a
+shape, the kernel variants among them)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,8 @@ def test_emulated_report(bench, tmp_path, capsys):
 
 def test_mac_cases(bench):
     """What a Mac measures (nothing is run here)."""
-    cases = list(bench.FAMILIES["gemm4bit"]("gpu"))
-    plain = [c for c in cases if "table" not in c.name]
+    plain = list(bench.FAMILIES["gemm4bit"]("gpu"))
     assert len(plain) == 2 * 4 * 4 and all(c.stock and c.baseline is not None for c in plain)
-    tables = [c for c in cases if "threadgroup table" in c.name]
-    assert len(tables) == 2 * 4 and all("M=1 " in c.name + " " for c in tables)
     for c in plain:
         if c.name.endswith("4096x14336 M=512") and "bfloat16" in c.name:
             N, K, M = 4096, 14336, 512
@@ -55,23 +53,10 @@ def test_mac_cases(bench):
 
 def test_mac_case_functions_run(bench):
     """The Mac cases' call functions work (run here on CPU tensors by bitsandbytes' own CPU kernels,
-    bnb_mps not being registered for the cpu key): the 4-bit op, its threadgroup-table variant (each
-    case sets the module setting it measures, and has the op layer plan its calls again) and the
-    dense baseline."""
-    from bnb_mps.ops import matmul_4bit, routing
-
+    bnb_mps not being registered for the cpu key): the 4-bit op and the dense baseline."""
     cpu = torch.device("cpu")
     cases = {c.name: c for c in bench.FAMILIES["gemm4bit"]("gpu")}
     plain = cases["gemm_4bit nf4 nested float16 4096x4096 M=1"]
-    table = cases["gemm_4bit nf4 nested float16 4096x4096 M=1 (threadgroup table)"]
-    epoch = routing.epoch
-    try:
-        assert table.make(cpu)().shape == (1, 4096)
-        assert matmul_4bit.GEMV_TABLE == "threadgroup" and routing.epoch > epoch
-        epoch = routing.epoch
-        y = plain.make(cpu)()
-        assert matmul_4bit.GEMV_TABLE == "constant" and routing.epoch > epoch
-        assert y.shape == (1, 4096) and y.dtype == torch.float16
-    finally:
-        matmul_4bit.GEMV_TABLE = "constant"
+    y = plain.make(cpu)()
+    assert y.shape == (1, 4096) and y.dtype == torch.float16
     assert plain.baseline(cpu)().shape == (1, 4096)

@@ -514,9 +514,19 @@ def test_gpu_verdicts_are_those_of_first_use(emulated_verification):
     later = check.gpu_verdicts("emulated", executor, used)
     assert all(v["cached"] and v["passed"] for v in later["verdicts"].values())
     lines = check.gpu_report_lines(later)
-    assert "emulated tier" in lines[0] and len(lines) == 1 + len(families)
-    assert all("read from the cache" in line for line in lines[1:])
-    assert "tuning" not in later  # this bnb-mps has no tuning table
+    assert "emulated tier" in lines[0] and all("read from the cache" in line for line in lines[1 : 1 + len(families)])
+    import bnb_mps
+
+    assert later["tuning"] == bnb_mps.tuning_table()  # the tuning choices of this process, as they stand
+    assert lines[1 + len(families)] == f"    tuning           {len(later['tuning'])} choices"
+
+
+def test_tuning_choices_are_one_line_each():
+    entry = {"op": "gemm_4bit", "key": "f16 N=4096 K=4096 bs=64 nf4 nested M<=1", "choice": "gemv/tglut",
+             "default": "gemv", "times": {"gemv": 1e-4, "gemv/tglut": 9e-5}, "cached": True}  # fmt: skip
+    lines = check.gpu_report_lines({"tier": "native", "verdicts": {}, "tuning": [entry]})
+    assert lines[-2:] == ["    tuning           1 choices",
+                          "      gemm_4bit f16 N=4096 K=4096 bs=64 nf4 nested M<=1: gemv/tglut (built-in: gemv) (cached)"]
 
 
 def test_gpu_verdicts_show_verification_off_and_tuning(emulated_verification):

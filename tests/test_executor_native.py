@@ -363,7 +363,7 @@ def test_the_compile_requests_metal_3_2_from_macos_15_and_3_1_on_macos_14():
     body = body[: body.index("\n}\n")]
     at15, at14 = body.index("@available(macOS 15.0, *)"), body.index("@available(macOS 14.0, *)")
     assert at15 < body.index("MTLLanguageVersion3_2") < at14 < body.index("MTLLanguageVersion3_1")
-    compile_body = text[text.index("KernelLibrary::compile(const std::string& source) {"):]
+    compile_body = text[text.index("KernelLibrary::compile(const std::string& source, std::pair<int, int> version) {"):]
     assert "request_language_version(options);" in compile_body[: compile_body.index("\n}\n")]
 
 

@@ -92,14 +92,14 @@ def stock(name, args):
 
 
 def float32_linear(A, W, bias=None):
-    """docs/semantics.md section 4: a float32 product with the float32 weight (bias added in float32),
-    rounded once to A's dtype."""
+    """docs/semantics.md section 4: a float32 product with the weight in A's dtype (bias added in
+    float32), rounded once to A's dtype."""
     b = None if bias is None else bias.float()
-    return torch.nn.functional.linear(A.float(), torch.from_numpy(W), b).to(A.dtype)
+    return torch.nn.functional.linear(A.float(), torch.from_numpy(R.in_dtype(W, A.dtype)).float(), b).to(A.dtype)
 
 
 def reference(name, args):
-    """docs/semantics.md's 4-bit weight (float32), then its float32 product rounded once."""
+    """docs/semantics.md's 4-bit weight (float32, then in A's dtype), then its float32 product rounded once."""
     if name == "dequantize_4bit":
         A, absmax, blocksize, quant_type, shape, dtype = args
         return ref.dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype)

@@ -29,9 +29,11 @@ bnb_functional = pytest.importorskip("bitsandbytes.functional")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def run_gemm(executor, case: Case) -> dict:
+def run_gemm(executor, case: Case, route=None) -> dict:
+    """The product through the op layer (its built-in kernel path, or the kernel path `route`)."""
     A, args, W, bias = gemm_args(case)
-    y = call(OPS["gemm_4bit"], tuple(args), {}, executor)
+    y = call(OPS["gemm_4bit"], tuple(args), {}, executor) if route is None else matmul_4bit.gemm_4bit(
+        executor, *args, route=route)
     assert y.shape == (*A.shape[:-1], case.N) and y.dtype == case.dtype and y.is_contiguous()
     return R.check_accuracy(y.reshape(-1, case.N), A.reshape(-1, case.K), W, bias)
 
@@ -67,11 +69,10 @@ def test_all_orders(library, path, dtype, nested):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_threadgroup_table_variant_all_orders(library, dtype, monkeypatch):
-    monkeypatch.setattr(matmul_4bit, "GEMV_TABLE", "threadgroup")
+def test_threadgroup_table_variant_all_orders(library, dtype):
     for nested in (False, True):
         ex = EmulatedExecutor(library, checked=True)
-        run_gemm(ex, Case(1, 19, 96, dtype=dtype, nested=nested, bias=True, quant_type="fp4", seed=4))
+        run_gemm(ex, Case(1, 19, 96, dtype=dtype, nested=nested, bias=True, quant_type="fp4", seed=4), "gemv/tglut")
         assert ex.launched == [f"bnb_gemv_4bit_tglut_{'nested' if nested else 'absmax'}_{DT[dtype]}"]
 
 
@@ -243,6 +244,106 @@ def test_accuracy_against_float64(library, M, dtype):
     print(f"M={M} {dtype}: {figures}")
 
 
+# -- each term is a * fl32(table[q] * scale), as dequantize_4bit + linear forms it -------------------
+#
+# docs/semantics.md section 4: every kernel multiplies each activation by the weight dequantize_4bit
+# gives, rounded to float32 first; factoring the block scale out of a chunk's sum
+# (scale * sum(a * table[q])) rounds differently. With rows of A that hold exactly two non-zero
+# activations, powers of two in one 16-element chunk (so in one block), every product a * w is exact
+# and every addition but one adds a zero: a kernel that forms its terms as a * w returns the float64
+# reference rounded once to float32, whatever its order of summation; scale * fl32(a1 * t1 + a2 * t2)
+# is another number for many weight rows.
+
+ROUNDING_SHAPES = {  # path -> (M, N, K), kernel (the built-in path of that shape, or "gemv/tglut")
+    "gemv": ((1, 48, 256), "bnb_gemv_4bit"),
+    "gemv/tglut": ((1, 48, 256), "bnb_gemv_4bit_tglut"),
+    "batch": ((5, 48, 176), "bnb_gemm_4bit_batch"),
+    "batch-M1": ((1, 48, 48), "bnb_gemm_4bit_batch"),  # K % 32 == 16
+    "mma": ((40, 48, 128), "bnb_gemm_4bit_mma"),
+    "mma-any-K": ((3, 48, 45), "bnb_gemm_4bit_mma"),
+}
+
+
+def gemm_on(path: str, executor, args: tuple) -> torch.Tensor:
+    """gemm_4bit through the op layer: its built-in path, or the route "gemv/tglut"."""
+    if path == "gemv/tglut":
+        return matmul_4bit.gemm_4bit(executor, *args, route=path)
+    return call(OPS["gemm_4bit"], args, {}, executor)
+
+
+def two_term_rows(M: int, K: int, seed: int) -> torch.Tensor:
+    """[M, K] float32 rows with two non-zero entries each, +-2^-3 .. 2^3, in one 16-aligned run of 16."""
+    r = np.random.default_rng(seed)
+    A = np.zeros((M, K), np.float32)
+    for m in range(M):
+        c = 16 * int(r.integers(0, K // 16))
+        for k in r.choice(16, 2, replace=False):
+            A[m, c + k] = r.choice([-1.0, 1.0]) * 2.0 ** int(r.integers(-3, 4))
+    return torch.from_numpy(A)
+
+
+def scale_factored(A: torch.Tensor, t: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """What y would be with the block scale factored out of each chunk: fl32(s * fl32(a1*t1 + a2*t2))
+    for two_term_rows' A (t, s: the weight's table values and block scales, [N, K] float32)."""
+    a = A.numpy()
+    y = np.zeros((a.shape[0], t.shape[0]), np.float32)
+    for m in range(a.shape[0]):
+        k1, k2 = np.flatnonzero(a[m])
+        y[m] = s[:, k1] * (a[m, k1] * t[:, k1] + a[m, k2] * t[:, k2])  # float32 arithmetic, rounded per step
+    return y
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
+@pytest.mark.parametrize("path", list(ROUNDING_SHAPES))
+def test_terms_are_products_of_the_dequantized_weights(library, path, nested):
+    (M, N, K), kernel = ROUNDING_SHAPES[path]
+    r = np.random.default_rng(K + nested)
+    bs = 32 if K % 32 == 0 else 64
+    nblocks = math.ceil(N * K / bs)
+    packed = torch.from_numpy(ref.pack_nibbles(r.integers(0, 16, N * K).astype(np.uint8))).reshape(-1, 1)
+    if nested:
+        nested_args = (torch.from_numpy(r.integers(0, 256, nblocks).astype(np.uint8)), CODE8.clone(),
+                       torch.tensor(0.75, dtype=torch.float32))  # fmt: skip
+        absmax = torch.from_numpy(r.uniform(0.3, 3.0, math.ceil(nblocks / 256)).astype(np.float32))
+    else:
+        nested_args = ()
+        absmax = torch.from_numpy(r.uniform(0.3, 3.0, nblocks).astype(np.float32))  # not powers of two
+    A = two_term_rows(M, K, seed=M + K)
+    ex = EmulatedExecutor(library, order="random", seed=K)
+    for quant_type in ("nf4", "fp4"):
+        y = gemm_on(path, ex, (A, packed, [N, K], absmax, bs, quant_type, None, *nested_args))
+        weight = (packed, (N, K), bs, quant_type, absmax, *nested_args)
+        want = R.matmul(A, R.dequantized_weight(*weight)).astype(np.float32)  # float64 sum, rounded once
+        assert torch.equal(y, torch.from_numpy(want)), f"{quant_type}: {(y.numpy() != want).sum()} outputs differ"
+        # The case tells the two formations apart.
+        factored = scale_factored(A, *R.weight_parts(*weight))
+        assert (factored != want).mean() > 0.1, quant_type
+    assert set(ex.launched) == {f"{kernel}_{'nested' if nested else 'absmax'}_f32"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "mma"])
+def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
+    """float16 / bfloat16 activations multiply the weight as dequantize_4bit gives it in their dtype,
+    T(fl32(table[q] * scale)), as bitsandbytes' dequantize-then-linear path does: with two_term_rows'
+    activations (exact in T) the result is that product in float64, rounded to float32 and then to T,
+    which the float32 weight fl32(table[q] * scale) gives for many fewer outputs."""
+    (M, N, K), kernel = ROUNDING_SHAPES[path]
+    r = np.random.default_rng(K + 7)
+    packed = torch.from_numpy(ref.pack_nibbles(r.integers(0, 16, N * K).astype(np.uint8))).reshape(-1, 1)
+    absmax = torch.from_numpy(r.uniform(0.3, 3.0, N * K // 32).astype(np.float32))
+    A = two_term_rows(M, K, seed=M + K + 1).to(dtype)
+    ex = EmulatedExecutor(library, order="random", seed=K)
+    for quant_type in ("nf4", "fp4"):
+        y = gemm_on(path, ex, (A, packed, [N, K], absmax, 32, quant_type))
+        W = R.dequantized_weight(packed, (N, K), 32, quant_type, absmax)
+        want = torch.from_numpy(R.matmul(A, R.in_dtype(W, dtype)).astype(np.float32)).to(dtype)
+        assert torch.equal(y, want), f"{quant_type}: {(y != want).sum()} outputs differ"
+        with_float32_weights = torch.from_numpy(R.matmul(A, W).astype(np.float32)).to(dtype)
+        assert (with_float32_weights != want).float().mean() > 0.05, quant_type
+    assert set(ex.launched) == {f"{kernel}_absmax_{DT[dtype]}"}
+
+
 # -- empty products, bad input ------------------------------------------------------------------------
 
 
@@ -319,6 +420,13 @@ APPLE_PATHS = {"gemv": 1, "batch": 5, "mma": 40}  # M of each path at K = 128 (a
 HUGE_SCALES = [1.5 * 2.0**126, 2.0**126 * (1 + 2.0**-23), 2.0**127, 1e38, 3e38, FMAX]
 
 
+def huge_scales(dtype: torch.dtype) -> list[float]:
+    """HUGE_SCALES up to the largest value of the activations' dtype, in which the kernels take the
+    weights (docs/semantics.md section 4): for bfloat16, all but the float32 maximum, whose weights
+    of magnitude near 1 round to infinity in bfloat16 (as dequantize_4bit to bfloat16 gives them)."""
+    return [s for s in HUGE_SCALES if s <= torch.finfo(dtype).max]
+
+
 def unit_blocks(N: int, K: int, blocksize: int, quant_type: str, seed: int) -> torch.Tensor:
     """Nibbles of a random weight whose every block has absmax 1, packed: with a block scale s the
     weight is table[nibble] * s (the scales are set by the test, not by the quantizer)."""
@@ -331,7 +439,7 @@ def unit_blocks(N: int, K: int, blocksize: int, quant_type: str, seed: int) -> t
 
 def product_in_both_modes(library, A, args: list, shapeB, blocksize, quant_type, nested_args=()):
     """gemm_4bit in the "apple" and "ieee" float modes, each checked against its reference; returns
-    (y_apple, y_ieee, references) with references[flush] = (W, parts)."""
+    (y_apple, y_ieee, references) with references[flush] = W (the dequantized weight)."""
     N = shapeB[0]
     refs = {}
     ys = {}
@@ -339,16 +447,15 @@ def product_in_both_modes(library, A, args: list, shapeB, blocksize, quant_type,
         ex = EmulatedExecutor(library, float_mode=mode, order="random", seed=A.shape[0])
         y = call(OPS["gemm_4bit"], tuple(args), {}, ex)
         W = R.dequantized_weight(args[1], shapeB, blocksize, quant_type, args[3], *nested_args, flush=flush)
-        parts = R.weight_parts(args[1], shapeB, blocksize, quant_type, args[3], *nested_args, flush=flush)
-        R.check_accuracy(y.reshape(-1, N), A.reshape(-1, A.shape[-1]), W, flush=flush, parts=parts)
-        refs[flush], ys[mode] = (W, parts), y
+        R.check_accuracy(y.reshape(-1, N), A.reshape(-1, A.shape[-1]), W, flush=flush)
+        refs[flush], ys[mode] = W, y
     return ys["apple"], ys["ieee"], refs
 
 
 def is_not_the_ieee_answer(y, A, refs) -> bool:
-    W, parts = refs[False]
+    W = refs[False]
     try:
-        R.check_accuracy(y.reshape(-1, W.shape[0]), A.reshape(-1, A.shape[-1]), W, flush=False, parts=parts)
+        R.check_accuracy(y.reshape(-1, W.shape[0]), A.reshape(-1, A.shape[-1]), W, flush=False)
     except AssertionError:
         return True
     return False
@@ -357,12 +464,14 @@ def is_not_the_ieee_answer(y, A, refs) -> bool:
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("path", list(APPLE_PATHS))
 def test_huge_block_scales(library, path, dtype):
-    """Block scales above 2^126 up to the float32 maximum: the products are those of the IEEE
-    reference, in both float modes, bit for bit the same (no float32 value below 2^-126 arises)."""
+    """Block scales above 2^126 up to the float32 maximum (bfloat16: its maximum, huge_scales): the
+    products are those of the IEEE reference, in both float modes, bit for bit the same (no float32
+    value below 2^-126 arises)."""
     M, N, K, bs = APPLE_PATHS[path], 9, 128, 64
     for quant_type in ("nf4", "fp4"):
         packed = unit_blocks(N, K, bs, quant_type, seed=M)
-        absmax = torch.tensor([HUGE_SCALES[b % len(HUGE_SCALES)] for b in range(N * K // bs)], dtype=torch.float32)
+        scales = huge_scales(dtype)
+        absmax = torch.tensor([scales[b % len(scales)] for b in range(N * K // bs)], dtype=torch.float32)
         A = (torch.randn(M, K, generator=gen(M + 1)) * 2.0**-24).to(dtype)  # |y| stays below the maximum
         y, y_ieee, _ = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
                                              quant_type)  # fmt: skip
@@ -386,7 +495,8 @@ def test_subnormal_activations_count_as_zero(library, path, dtype):
     for quant_type in ("nf4", "fp4"):
         packed = unit_blocks(N, K, bs, quant_type, seed=M)
         # Each weight row: block 0 (columns 0..63, the subnormal activations) huge, block 1 ordinary.
-        absmax = torch.tensor([HUGE_SCALES[b // 2 % 6] if b % 2 == 0 else 1.0 for b in range(2 * N)])
+        scales = huge_scales(dtype)
+        absmax = torch.tensor([scales[b // 2 % len(scales)] if b % 2 == 0 else 1.0 for b in range(2 * N)])
         y, y_ieee, refs = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
                                                 quant_type)  # fmt: skip
         assert is_not_the_ieee_answer(y, A, refs)
@@ -429,6 +539,33 @@ def test_float16_subnormal_activations_are_kept(library, path):
         y, y_ieee, _ = product_in_both_modes(library, A, [A, packed, [N, K], absmax, bs, quant_type], (N, K), bs,
                                              quant_type)  # fmt: skip
         assert torch.equal(y, y_ieee) and (y != 0).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("path", list(APPLE_PATHS))
+def test_tiny_activations_meet_huge_block_scales(library, path):
+    """Normal activations of 2^-126 to 2^-116 times weights above 2^100 (block scales up to the float32
+    maximum) give terms a * w of ordinary size, which every path keeps (docs/semantics.md section 7),
+    although many a * table[q] are float32 subnormals (what a kernel that applied the scale after
+    multiplying by the table would lose)."""
+    M, N, K, bs = APPLE_PATHS[path], 9, 128, 64
+    r = gen(M + 7)
+    A = (1 + torch.rand(M, K, generator=r)) * 2.0 ** torch.randint(-126, -116, (M, K), generator=r).float()
+    A = torch.where(torch.rand(M, K, generator=r) < 0.5, -A, A)
+    assert (A.abs() >= TINY).all()
+    for quant_type in ("nf4", "fp4"):
+        packed = unit_blocks(N, K, bs, quant_type, seed=M + 3)
+        absmax = torch.tensor([HUGE_SCALES[b % len(HUGE_SCALES)] for b in range(N * K // bs)], dtype=torch.float32)
+        ex = EmulatedExecutor(library, float_mode="apple", order="random", seed=M)
+        y = call(OPS["gemm_4bit"], (A, packed, [N, K], absmax, bs, quant_type), {}, ex)
+        weight = (packed, (N, K), bs, quant_type, absmax)
+        W = R.dequantized_weight(*weight)
+        R.check_accuracy(y, A, W)  # (no term is at risk: the bound is section 4's)
+        # The case is exercised: the terms whose a * table[q] is a float32 subnormal weigh in the result.
+        t, _ = R.weight_parts(*weight)
+        at = A.double().numpy()[:, None, :] * t.astype(np.float64)[None, :, :]
+        lost = (np.abs(at) < TINY) & (at != 0)
+        share = np.abs(np.where(lost, A.double().numpy()[:, None, :] * W.astype(np.float64)[None], 0)).sum(2)
+        assert lost.any() and (share / R.magnitude(A, W)).max() > 1e-3, quant_type
 
 
 CODE8 = bnb_functional.create_dynamic_map(signed=True)

@@ -113,8 +113,8 @@ def test_identity_weight(executor, M, quant_type):
 
 
 @pytest.mark.parametrize("table", ["constant", "threadgroup"])
-def test_gemv_code_table(executor, table, monkeypatch):
-    monkeypatch.setattr(matmul_4bit, "GEMV_TABLE", table)
+def test_gemv_code_table(executor, table):
+    route = {"route": "gemv/tglut"} if table == "threadgroup" else {}  # (the variant tuning may pick)
     N, K = 1024, 2048
     nib, absmax = ref.quantize_4bit_nibbles(torch.randn(N, K), 64, "nf4")
     packed, absmax = torch.from_numpy(ref.pack_nibbles(nib)).reshape(-1, 1), torch.from_numpy(absmax)
@@ -123,7 +123,7 @@ def test_gemv_code_table(executor, table, monkeypatch):
         for dtype in DTYPES:
             A = torch.randn(1, 1, K).to(dtype)
             rec = Recording(executor)
-            y = ops.call(ops.OPS["gemv_4bit"], tuple(to_mps([A, packed, [N, K], absmax, code, 64])), {}, rec)
+            y = matmul_4bit.gemv_4bit(rec, *to_mps([A, packed, [N, K], absmax, code, 64]), **route)
             assert rec.launched == [f"bnb_gemv_4bit{'_tglut' if table == 'threadgroup' else ''}_absmax_{DT[dtype]}"]
             R.check_accuracy(y.cpu().reshape(1, N), A.reshape(1, K), W, linear_device="mps")
 

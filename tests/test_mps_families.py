@@ -5,6 +5,7 @@ table's references and calls before a Mac runs them."""
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -113,20 +114,37 @@ def test_cases_cover_every_op_of_their_family():
         assert seen == set(f.ops), (f.name, set(f.ops) - seen)
 
 
-@pytest.fixture(scope="module")
-def emulated():
+@contextlib.contextmanager
+def emulated_kernels(float_mode: str = "apple"):
+    """bnb_mps.testing.use_emulated_kernels, skipping only where the emulator's runtime is not built:
+    any other error (a bad float mode, a kernel that does not compile) fails."""
     import bitsandbytes  # noqa: F401  (first: importing it later would put its own CPU kernels back)
 
+    from bnb_mps import executors
     from bnb_mps.testing import use_emulated_kernels
 
     try:
-        # The emulator computes like an Apple GPU (float32 subnormals flushed), and the families'
-        # references expect what the hardware computes (tests/spec_reference.py's flush mode): the
-        # cases pass here exactly as they must on a Mac.
-        with use_emulated_kernels(float_mode="apple") as recorder:
-            yield recorder
-    except Exception as e:  # the emulator's runtime is not built here
+        executors.load_tier("emulated")
+    except executors.ExecutorUnavailable as e:
         pytest.skip(f"emulator unavailable: {e}")
+    with use_emulated_kernels(float_mode=float_mode) as recorder:
+        yield recorder
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    # The emulator computes like an Apple GPU (float32 subnormals flushed), and the families'
+    # references expect what the hardware computes (tests/spec_reference.py's flush mode): the cases
+    # pass here exactly as they must on a Mac.
+    with emulated_kernels(float_mode="apple") as recorder:
+        yield recorder
+
+
+def test_the_emulated_kernels_fail_on_anything_but_a_missing_emulator():
+    """(A bad float mode once skipped the whole Linux run of the family table.)"""
+    with pytest.raises(ValueError, match="float_mode must be 'apple' or 'ieee'"):
+        with emulated_kernels(float_mode="fast"):
+            pass
 
 
 CPU_RUNS = [(f, n) for f in fam.FAMILIES for n in f.cpu_sizes]
@@ -167,7 +185,8 @@ def test_flush_cases_tell_apple_from_ieee():
     The int8 and optimizer families have such cases at their CPU sizes (rows and columns of
     subnormals, statistics near 2^-64, subnormal gradients, states decaying below 2^-126), and
     special values where their sections define them (NaN and -inf activations, 8-bit state blocks
-    above 2^126)."""
+    above 2^126); the 4-bit products have them on each of their paths (activations and block scales
+    below 2^-126)."""
     seen = {}
     for family in fam.FAMILIES:
         for n in family.cpu_sizes:
@@ -177,11 +196,19 @@ def test_flush_cases_tell_apple_from_ieee():
                 seen.setdefault(family.name, []).append(case.label)
                 with pytest.raises(AssertionError):
                     case.compare(case.ieee_want, case.want, case.label)
-    assert {"int8", "optimizers"} <= set(seen), seen.keys()
-    labels = " ".join(label for family in ("int8", "optimizers") for label in seen[family])
+    assert {"int8", "optimizers", "matmul_4bit"} <= set(seen), seen.keys()
+    labels = " ".join(label for family in ("int8", "optimizers", "matmul_4bit") for label in seen[family])
     for op in ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant",
                "int8_scaled_mm", "optimizer_update_8bit_blockwise", "optimizer_update_32bit"):
         assert op in labels, op
+    for path in fam.APPLE_PATHS:  # the 4-bit products' flush model, on each kernel path
+        for what in ("activations below 2^-126", "block scales below 2^-126"):
+            assert sum(f"gemm_4bit {path} " in label and what in label for label in seen["matmul_4bit"]) == 2
+    from bnb_mps.ops.matmul_4bit import choose_path
+
+    for case in fam.matmul_4bit_flush_cases():  # (each on the path its label names)
+        (M, K), N = case.args[0].shape, case.args[2][0]
+        assert f"gemm_4bit {choose_path(M, N, K)} M={M} " in case.label, case.label
     optim = [c.label for n in fam.FAMILIES[4].cpu_sizes for c in fam.FAMILIES[4].cases(n)]
     assert sum("above 2^126" in label for label in optim) == 2
 
@@ -210,3 +237,32 @@ def test_uses_dtype_sees_inputs_views_dtype_arguments_and_references():
     assert not fam.uses_dtype(plain, torch.bfloat16)
     view = fam.Case("x", "quantize_blockwise", (fam.DeviceView(torch.zeros(4, dtype=torch.bfloat16), lambda b: b[1:]),), None)
     assert fam.uses_dtype(view, torch.bfloat16)
+
+
+def test_the_32bit_state_bound_is_what_contracting_the_update_can_change():
+    """A 32-bit optimizer case takes the reference's states and states within its bound (2^-23 of the
+    magnitudes of the update's terms plus an ulp: fam.state_bound_32bit), and rejects states twice as
+    far; and states near 2^-126 off by 1e-20, which an absolute tolerance of 1e-12 took."""
+    cases = [c for c in fam.optimizer_cases(4_173) if c.op == "optimizer_update_32bit" and "clip=0.0 " in c.label]
+    assert {c.label.split()[1] for c in cases} >= {"adam", "momentum", "rmsprop", "adagrad", "lion", "ademamix"}
+    for case in cases:
+        args = list(case.args)
+        exact = fam._after(args, case.want)
+        case.compare(exact, case.want, case.label)
+        for scale, passes in ((0.5, True), (2.0, False)):
+            got = list(exact)
+            for i, w in ((3, case.want.state1), (4, case.want.state2)):
+                if w is not None:
+                    got[i] = (w.double() + scale * fam.state_bound_32bit(args, w, args[i])).float()
+            if passes:
+                case.compare(got, case.want, case.label)
+            else:
+                with pytest.raises(AssertionError, match="states beyond"):
+                    case.compare(got, case.want, case.label)
+    (tiny,) = [c for c in fam.optimizer_cases(4_173) if "adam states decaying below 2^-126" in c.label]
+    got = fam._after(list(tiny.args), tiny.want)
+    tiny.compare(got, tiny.want, tiny.label)
+    got[3] = got[3] + 1e-20
+    with pytest.raises(AssertionError, match="states beyond"):
+        tiny.compare(got, tiny.want, tiny.label)
+    torch.testing.assert_close(got[3], tiny.want.state1, rtol=1e-6, atol=1e-12)  # (what the old check took)

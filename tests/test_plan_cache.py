@@ -6,7 +6,8 @@ Everything here compares that with the full path (`ops.call` with no plan kept: 
 run), which the kernel and validation tests check against the references:
 
 - the same launches (kernel, geometry, every bound buffer and scalar) and the same results, for every
-  case of tests/op_inputs.py, on the second and third call;
+  case of tests/op_inputs.py, on the second and third call; and, for a call with the same metadata
+  and other values in other buffers, the full path's results for those values;
 - exactly the same errors for bad input after good calls were planned: every argument of a planned
   call changed in each way that matters to a check (dtype, shape, device, layout, offset, value,
   type), with the outcome of the full path as the reference;
@@ -124,6 +125,59 @@ def test_results_from_a_kept_plan_equal_the_full_path(key_impl, library, name):
             got = entry(tuple(got_args), {})
             assert_same(got, want, label)
             assert_same(got_args, want_args, label)  # in-place updates and `out`
+
+
+def other_values(args: list) -> list:
+    """`args` with every tensor replaced by a new one (another buffer) of the same metadata (dtype,
+    shape, strides, storage offset) holding other values: its elements rolled by one place, and a
+    one-element float tensor scaled by 1.5. Plain values stay (they are part of the plan's key, or
+    taken per call)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            new = copy.deepcopy(a)  # (a buffer of its own, the same metadata)
+            values = a.reshape(-1).roll(1) if a.numel() > 1 else (a * 1.5 if a.is_floating_point() else a)
+            new.copy_(values.reshape(a.shape))
+            assert (new.stride(), new.storage_offset()) == (a.stride(), a.storage_offset())
+            a = new
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_a_kept_plan_computes_each_call_from_its_own_values(key_impl, monkeypatch, library, name):
+    """A plan keeps what the arguments' metadata decide, nothing computed from their values: a later
+    call with the same metadata and other values, in other buffers, served from the kept plan gives
+    what the full path gives for those values (in the outputs and in place), which is not what the
+    first call gave. A plan that kept a scale, a count or a buffer of the first call would fail here."""
+    from kernel_harness import EmulatedExecutor
+
+    counting = Counting(monkeypatch, name)
+    executor = EmulatedExecutor(library)
+    entry = ops.dispatcher_entry(name, executor)
+    changed = 0
+    for label, args in itertools.islice(op_inputs.cases(name), 4):
+        first_args = copy.deepcopy(args)
+        first = entry(tuple(first_args), {})  # planned and kept
+        other = other_values(args)
+        want_args = copy.deepcopy(other)
+        want = ops.call(ops.OPS[name], tuple(want_args), {}, executor)  # the full path, for these values
+        planned = counting.calls
+        got_args = copy.deepcopy(other)
+        got = entry(tuple(got_args), {})
+        assert counting.calls == planned, f"{label}: served from the kept plan"
+        assert_same(got, want, label)
+        assert_same(got_args, want_args, label)  # in-place updates and `out`
+        changed += not same_bits((first, first_args), (got, got_args))
+    assert changed, "the other values changed no result: the test would not see a plan that kept them"
+
+
+def same_bits(a, b) -> bool:
+    try:
+        assert_same(a, b, "")
+    except AssertionError:
+        return False
+    return True
 
 
 def assert_same(got, want, label):

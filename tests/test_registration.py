@@ -92,8 +92,8 @@ def test_entry_point_is_silent_and_cheap_on_linux():
     assert cost_ms > 0  # the entry point ran
     print(f"bnb_mps entry point: {cost_ms:.2f} ms")
     loaded = with_ep.stdout.split("LOADED")[1].strip()
-    # the registration, and the paged-optimizer hook it installs (a few wrapped functions)
-    assert loaded == "['bnb_mps', 'bnb_mps.paged', 'bnb_mps.registration']", loaded
+    # the registration, and the paged-optimizer hook it installs (a few wrapped functions); the version (a constant)
+    assert loaded == "['bnb_mps', 'bnb_mps._version', 'bnb_mps.paged', 'bnb_mps.registration']", loaded
 
 
 def test_registered_in_this_process():

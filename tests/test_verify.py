@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,11 +36,12 @@ from bnb_mps.executors import PipelineLimitError
 from bnb_mps.msl import source
 from bnb_mps.ops import routing
 from bnb_mps.ops import verify as verification
+from bnb_mps.ops.verify import cache, first_use, machine_key, runner
 
 KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "kernels"
 MPS = DispatchKeySet(DispatchKey.MPS)
 ALL = set(verification.FAMILIES)
-MATMUL = {"matmul_4bit_gemv", "matmul_4bit_batch", "matmul_4bit_mma"}
+MATMUL = {"matmul_4bit_gemv", "matmul_4bit_tglut", "matmul_4bit_batch", "matmul_4bit_mma"}
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning"),
@@ -98,21 +100,22 @@ GROUPS = {
         Fault("the 32-bit optimizer kernel drops a partial last chunk", "optimizer.h",
               "const uint chunks = n / chunk + (n % chunk != 0u ? 1u : 0u);", "const uint chunks = n / chunk;",
               {"optimizer_32bit": r"^optimizer_update_32bit "}),
-        Fault("the gemv kernel keeps only the last step of each lane", "gemm_4bit.h", "acc[r] += s * d;",
-              "acc[r] = s * d;", {"matmul_4bit_gemv": r"K=1280"}),
+        Fault("the gemv kernel keeps only the last step of each lane", "gemm_4bit.h", "acc[r] += TG_TABLE ?",
+              "acc[r] = TG_TABLE ?", {"matmul_4bit_gemv": r"K=1280", "matmul_4bit_tglut": r"K=1280"}),
         Fault("blocks above 256 elements take the first simdgroup's maximum", "quantize_layout.h",
               "result = max(result, partial[j]);", "result = max(result, partial[0]);",
               {"blockwise_8bit": r"blocksize=(512|1024|2048|4096) ", "nf4_fp4": r"blocksize=(512|1024|2048|4096) "}),
         Fault("int8 quantization rounds half away from zero", "int8.h",
-              "return int(clamp(rint(v), -127.0f, 127.0f));", "return int(clamp(round(v), -127.0f, 127.0f));",
+              "return int(metal::precise::clamp(metal::precise::rint(v), -127.0f, 127.0f));",
+              "return int(metal::precise::clamp(metal::precise::round(v), -127.0f, 127.0f));",
               {"int8_quant": r"^int8_(vectorwise|double)_quant "}),
     ],
     "B": [
         Fault("the int8 gemv kernels without 16-byte loads skip the last column (K % 16 != 0)", "int8_matmul.h",
               "for (uint k = lane; k < K; k += 32u) {", "for (uint k = lane; k + 1u < K; k += 32u) {",
               {"int8_products": r"^int8_linear_matmul(\.out)? [15]x24x(100|1090):"}),
-        Fault("the batch kernel keeps only the last step of each lane", "gemm_4bit.h", "acc[i][r] += s[r] * d;",
-              "acc[i][r] = s[r] * d;", {"matmul_4bit_batch": r"M=5 "}),
+        Fault("the batch kernel keeps only the last step of each lane", "gemm_4bit.h", "acc[i][r] += d;",
+              "acc[i][r] = d;", {"matmul_4bit_batch": r"M=5 "}),
         Fault("the mma kernel drops the last 8 columns of every K step", "gemm_4bit.h",
               "for (uint kk = 0; kk < BK; kk += 8u) {", "for (uint kk = 0; kk + 8u < BK; kk += 8u) {",
               {"matmul_4bit_mma": r"M=37 "}),
@@ -126,12 +129,14 @@ GROUPS = {
     "C": [
         Fault("the gemv and batch kernels' scalar loads of an unaligned A swap neighbours", "gemm_4bit.h",
               "            x[j] = float(a[j]);", "            x[j] = float(a[j ^ 1u]);",
-              {"matmul_4bit_gemv": r"unaligned A", "matmul_4bit_batch": r"unaligned A"}),
+              {"matmul_4bit_gemv": r"unaligned A", "matmul_4bit_batch": r"unaligned A",
+               "matmul_4bit_tglut": r"unaligned A"}),
         Fault("the mma kernel's scalar loads of A ignore its row stride", "gemm_4bit.h", "float(A[m * lda + k + j])",
               "float(A[m * K + k + j])", {"matmul_4bit_mma": r"unaligned A"}),
         Fault("NaN enters the block maximum", "bnb_common.h",
               "return (b > 0x7f800000u || b < 0x00800000u) ? 0u : b;", "return b < 0x00800000u ? 0u : b;",
-              {"blockwise_8bit": r"special values .*nan", "nf4_fp4": r"special values .*nan"}),
+              {"blockwise_8bit": r"special values .*nan", "nf4_fp4": r"special values .*nan",
+               "int8_quant": r"^int8_(vectorwise|double)_quant special values .*nan"}),
         Fault("update-norm clipping scales by norm / bound instead of bound / norm", "optimizer.h",
               "lr_step = lr * metal::precise::divide(max_norm, norm);",
               "lr_step = lr * metal::precise::divide(norm, max_norm);", {"optimizer_32bit": r" lars "}),
@@ -206,7 +211,7 @@ SINGLE_FAULTS = [
           "    for (uint k = 0; k < 4u; ++k) {\n        // blocksize is even",
           "    for (uint k = 0; k < 3u; ++k) {\n        // blocksize is even", {"nf4_fp4": ""}),
     Fault("dropped bias in the 4-bit products", "gemm_4bit.h", "        v += float(bias[n]);", "",
-          dict.fromkeys(MATMUL, " bias:")),
+          dict.fromkeys(MATMUL, r" bias( \(gemv/tglut\))?:")),
     Fault("off-by-one threshold table of the 8-bit quantizer", "quantize_8bit.h",
           "for (uint k = tid; k < 255u; k += threads) {", "for (uint k = tid; k < 254u; k += threads) {",
           {"blockwise_8bit": "", "optimizer_8bit": ""}),
@@ -311,14 +316,10 @@ def optimizer(kernel: str) -> str | None:
 
 def test_verification_launches_every_kernel_template_path_and_dtype_family_the_ops_use(unmodified_run, library):
     """At least one kernel of each template and path (int8: with and without 16-byte loads), of each
-    template and dtype family (the _f32bias kernels too) and of each optimizer's kernels. The
-    threadgroup-table gemv kernels serve no op while the op layer picks the constant-table ones."""
-    from bnb_mps.ops import matmul_4bit
-
+    template and dtype family (the _f32bias kernels too) and of each optimizer's kernels; the
+    threadgroup-table gemv kernels too (a variant tuning may pick)."""
     _, launched, _ = unmodified_run
     kernels = set(library.kernels)
-    if matmul_4bit.GEMV_TABLE != "threadgroup":
-        kernels = {k for k in kernels if "_tglut_" not in k}
     assert launched <= set(library.kernels)
     for project in (template_and_path, dtype_family, optimizer):
         classes: dict[str, set[str]] = {}
@@ -361,6 +362,31 @@ def test_the_cache_is_written_read_and_invalidated_by_a_source_change(emulated_t
     emulated_tier.delenv("BNB_MPS_VERIFY")
     verification.reset()
     assert not verification.verdict("int8_quant", "emulated", executor, refresh=True).cached
+
+
+STORE = """
+import sys, time
+from bnb_mps.ops.verify import Verdict, cache
+name, start = sys.argv[1], float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.001)
+for i in range(30):
+    cache.store(f"{name} key {i}", {"int8_quant": Verdict("int8_quant", True, 0.5, launches=i)})
+"""
+
+
+def test_processes_that_write_the_cache_at_once_keep_each_others_verdicts(tmp_path):
+    """(bnb_mps.json_cache: read-merge-replace under a lock; without it most of these entries are lost.)"""
+    path = tmp_path / "verify.json"
+    env = {**os.environ, verification.CACHE_ENV_VAR: str(path)}
+    start = time.time() + 6.0  # (after every process imported torch)
+    procs = [subprocess.Popen([sys.executable, "-c", STORE, f"p{k}", str(start)], env=env, stderr=subprocess.PIPE,
+                              text=True) for k in range(3)]  # fmt: skip
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+    data = json.loads(path.read_text())
+    assert set(data) == {f"p{k} key {i}" for k in range(3) for i in range(30)}, f"{90 - len(data)} keys lost"
+    assert cache.from_entry("int8_quant", data["p2 key 7"]["int8_quant"]).launches == 7
 
 
 def test_the_cache_file_setting(monkeypatch, tmp_path):
@@ -423,7 +449,7 @@ def test_malformed_cache_content_counts_as_missing_and_is_rewritten(emulated_tie
     v = verification.verdict(family, "emulated", executor)  # must not raise
     assert v.passed and not v.cached and v.launches > 0, v  # run now, not taken from the file
     entry = json.loads(path.read_text())[key][family]  # rewritten, in the shape a later process reads
-    assert verification._from_entry(family, entry) is not None and entry["passed"] is True
+    assert cache.from_entry(family, entry) is not None and entry["passed"] is True
     verification.reset()
     again = verification.verdict(family, "emulated", executor)
     assert again.cached and again.passed
@@ -564,12 +590,12 @@ def test_kernel_source_that_does_not_compile_is_a_failure_of_the_kernels(monkeyp
         build.find_compiler()
     except emulator.CompileError:
         pytest.skip("no C++ compiler here")
-    assert not verification._cannot_run(error)
+    assert not runner.cannot_run(error)
     monkeypatch.setattr(build, "find_compiler", lambda compiler=None: (_ for _ in ()).throw(
         emulator.CompileError("no C++ compiler found (tried c++, g++, clang++); set BNB_MPS_EMU_CXX")))  # fmt: skip
-    assert verification._cannot_run(error)
-    assert not verification._cannot_run(emulator.OutOfBounds("out-of-bounds write"))
-    assert not verification._cannot_run(RuntimeError("a GPU tier's error"))
+    assert runner.cannot_run(error)
+    assert not runner.cannot_run(emulator.OutOfBounds("out-of-bounds write"))
+    assert not runner.cannot_run(RuntimeError("a GPU tier's error"))
 
 
 def test_verify_0_skips_verification(emulated_tier, planted_kernels, monkeypatch):
@@ -585,9 +611,13 @@ def test_the_second_call_of_an_op_does_no_verification_work(emulated_tier, monke
     """Routes are cached: once an op's first call verified its families (or read their verdicts),
     its later calls do not look at verification at all."""
     calls: dict[str, int] = {}
-    for name in ("failure", "verdict", "run_family", "_read_cache", "_cached", "cache_key", "machine"):
-        real = getattr(verification, name)
-        monkeypatch.setattr(verification, name,
+    # (each where it is looked up: routing asks the package for `failure`, the package's `run_family` is
+    # looked up at each run, the rest are the names first_use and the cache call)
+    for module, name in ((verification, "failure"), (first_use, "verdict"), (verification, "run_family"),
+                         (cache, "read"), (cache, "cached"), (first_use, "cache_key"),
+                         (first_use, "machine"), (machine_key, "machine")):  # fmt: skip
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
                             lambda *a, _real=real, _name=name, **k: calls.__setitem__(_name, calls.get(_name, 0) + 1)
                             or _real(*a, **k))  # fmt: skip
     args = first_case("int8_vectorwise_quant")
@@ -602,6 +632,256 @@ def test_the_second_call_of_an_op_does_no_verification_work(emulated_tier, monke
         for _ in range(3):
             ops.op_packet("int8_vectorwise_quant").redispatch(MPS, *args)
         assert calls == {}, calls
+
+
+# -- faults of one run, device errors, families that call ops -----------------------------------------------
+
+
+class Dropping:
+    """The emulated tier with a GPU fault: while `on`, launches do nothing (their outputs stay unwritten),
+    as when the GPU aborts the command buffer that holds them."""
+
+    name = "emulated"
+    device_type = "cpu"
+
+    def __init__(self, on: bool = True) -> None:
+        self.inner, self.on, self.dropped = executors.load_tier("emulated"), on, 0
+
+    def launch(self, kernel, *, grid, threadgroup, args) -> None:
+        if self.on:
+            self.dropped += 1
+            return
+        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+
+def fault_first_runs(monkeypatch, fault) -> list[str]:
+    """Wraps the package's run_family (its docstring says how): the first run of each family runs
+    with `fault(executor)`. Returns the list of runs."""
+    real = verification.run_family
+    runs: list[str] = []
+
+    def run(family, executor, device):
+        runs.append(family.name)
+        return real(family, fault(executor) if runs.count(family.name) == 1 else executor, device)
+
+    monkeypatch.setattr(verification, "run_family", run)
+    return runs
+
+
+def stored(executor, family):
+    """`family`'s entry in the cache file under the emulated tier's key, or None."""
+    key = verification.cache_key("emulated", source.source_hash(), executor)
+    path = verification.cache_path()
+    return json.loads(path.read_text()).get(key, {}).get(family) if path.exists() else None
+
+
+@pytest.mark.parametrize("family", ["int8_quant", "blockwise_8bit"])
+def test_a_fault_of_the_first_run_only_serves_and_is_not_cached_as_failed(emulated_tier, monkeypatch, family):
+    """A GPU fault is not a kernel failure: the first run's launches dropped (outputs never written),
+    the second run clean. The family serves; its verdict, and the cache, record the first failure."""
+    executor = executors.load_tier("emulated")
+    runs = fault_first_runs(monkeypatch, lambda ex: Dropping())
+    v = verification.verdict(family, "emulated", executor)
+    assert runs == [family, family]
+    assert v.passed and not v.could_not_run and "never written" in v.first_failure, v
+    assert "passed on its second run" in v.describe() and "never written" in v.describe()
+    entry = stored(executor, family)
+    assert entry["passed"] is True and entry["first_failure"] == v.first_failure
+    op = verification.FAMILIES[family].ops[0]
+    assert verification.failure(op, "emulated", executor) is None
+    assert routing.route(op).tier == "emulated"  # (the selection's executor: its verdict from the cache)
+    verification.reset()
+    again = verification.verdict(family, "emulated", executor)
+    assert again.cached and again.passed and again.first_failure == v.first_failure and len(runs) == 2
+
+
+def test_a_kernel_fault_in_the_first_run_only_serves(emulated_tier, planted_kernels, monkeypatch):
+    """The same with the fault in the kernel source of the first run (group A's int8 rounding, through
+    BNB_MPS_KERNEL_DIR), the second run on the installed kernels."""
+    planted = planted_kernels("A")
+    real = verification.run_family
+    runs = []
+
+    def run(family, executor, device):
+        runs.append(family.name)
+        with pytest.MonkeyPatch.context() as mp:
+            if len(runs) == 1:
+                mp.setenv(source.KERNEL_DIR_ENV, str(planted))
+            return real(family, executor, device)
+
+    monkeypatch.setattr(verification, "run_family", run)
+    v = verification.verdict("int8_quant", "emulated", executors.load_tier("emulated"))
+    assert runs == ["int8_quant"] * 2 and v.passed, v
+    assert re.match(r"failed in case 'int8_(vectorwise|double)_quant ", v.first_failure), v.first_failure
+
+
+def test_a_family_faulted_on_every_run_is_cached_as_failed(emulated_tier):
+    dropping = Dropping()
+    v = verification.verdict("int8_quant", "emulated", dropping)
+    assert not v.passed and not v.could_not_run and dropping.dropped > 0, v
+    # (reported as never written, not as the sentinel's value taken for a wrong result)
+    assert "never written" in v.error and "never written" in v.first_failure
+    assert "and again on a second run" in v.describe()
+    assert stored(dropping.inner, "int8_quant")["passed"] is False
+    verification.reset()
+    again = verification.verdict("int8_quant", "emulated", executors.load_tier("emulated"))
+    assert again.cached and not again.passed and again.case == v.case
+
+
+def test_outputs_never_written_are_told_from_wrong_values():
+    from bnb_mps.ops.verify import sentinel
+
+    want = (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([7, 8], dtype=torch.uint8))
+    got = (torch.tensor([1.0, 2.0, 3.0]), sentinel.filled((2,), torch.uint8))
+    assert sentinel.unwritten(got, want) == ("result[1]: 2 of 2 elements were never written (they still hold the "
+                                             "sentinel verification filled the output with before the launches)")
+    assert sentinel.unwritten((want[0] * 2, want[1]), want) is None  # a wrong value is not unwritten
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int32, torch.int64):
+        s = sentinel.filled((3,), dtype)
+        assert torch.isfinite(s.double()).all() and bool((s.double() < -1000).all()), (dtype, s)  # never NaN
+    with sentinel.fresh_outputs():
+        fresh = torch.empty(4, dtype=torch.float16)
+        zeros = torch.zeros(4)
+    assert torch.equal(fresh, sentinel.filled((4,), torch.float16)) and not zeros.any()
+    assert not torch.equal(torch.empty(4, dtype=torch.float16).fill_(1), sentinel.filled((4,), torch.float16))
+
+
+METAL_ERROR = ("Execution of the command buffer was aborted due to an error during execution. Caused GPU Address "
+               "Fault Error (0000000b:kIOGPUCommandBufferCallbackErrorPageFault)")
+
+
+class Watched:
+    """The emulated tier reporting its command buffers' status as the native tier does
+    (`watch_command_buffers`, csrc/mps_ops.h), which cannot exist here: the buffers of its first
+    `failing` runs (one watch a run) report Metal's error."""
+
+    name = "emulated"
+    device_type = "cpu"
+
+    def __init__(self, failing: int) -> None:
+        self.inner, self.failing, self.watches = executors.load_tier("emulated"), failing, []
+
+    def launch(self, kernel, *, grid, threadgroup, args) -> None:
+        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    def watch_command_buffers(self):
+        watch = FakeWatch(METAL_ERROR if len(self.watches) < self.failing else None)
+        self.watches.append(watch)
+        return watch
+
+
+class FakeWatch:
+    def __init__(self, error) -> None:
+        self.error, self.tracked = error, 0
+
+    def track(self) -> None:
+        self.tracked += 1
+
+    def errors(self) -> list[str]:
+        return [self.error] * self.tracked if self.error else []
+
+
+def test_a_command_buffer_error_means_could_not_run_and_is_not_cached(emulated_tier):
+    watched = Watched(failing=99)
+    v = verification.verdict("int8_quant", "emulated", watched)
+    assert not v.passed and v.could_not_run and v.device_error and len(watched.watches) == 2, v
+    assert v.error == f"the GPU reported an error in a command buffer of the launches: {METAL_ERROR}"  # (once)
+    assert all(w.tracked == watched.watches[0].tracked > 0 for w in watched.watches)  # every launch's buffer
+    assert v.describe().startswith("could not be verified") and METAL_ERROR in v.describe()
+    reason = verification.failure("int8_vectorwise_quant", "emulated", watched)
+    assert "could not be verified" in reason and METAL_ERROR in reason
+    assert stored(watched.inner, "int8_quant") is None  # not cached: verified again by the next process
+    verification.reset()
+    assert not verification.verdict("int8_quant", "emulated", watched).cached and len(watched.watches) == 4
+
+
+def test_a_command_buffer_error_of_the_first_run_only_serves(emulated_tier):
+    watched = Watched(failing=1)
+    v = verification.verdict("int8_quant", "emulated", watched)
+    assert v.passed and METAL_ERROR in v.first_failure and len(watched.watches) == 2, v
+    assert stored(watched.inner, "int8_quant")["passed"] is True
+
+
+def test_the_fault_kernel_of_the_acceptance_run_faults(library):
+    """tests/fault_kernels/address_fault.metal (what scripts/mac_acceptance.sh launches to fail a command
+    buffer on a Mac) writes far out of any buffer: under the emulator, a memory fault at that write."""
+    import command_buffer_fault as cbf
+
+    from bnb_mps import emulator
+    from bnb_mps.kernel_args import uint64
+
+    lib = emulator.Library(cbf.FAULT_KERNEL.read_text(), name=cbf.FAULT_KERNEL.name)
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(emulator.EmulatorError, match="invalid memory access"):
+        lib.launch(cbf.FAULT_NAME, grid=(1, 1, 1), threadgroup=(32, 1, 1), args=[out, uint64(cbf.FAR_ELEMENTS)])
+    lib.launch(cbf.FAULT_NAME, grid=(1, 1, 1), threadgroup=(32, 1, 1), args=[out, uint64(0)])
+    assert out.tolist() == [0xDEAD] + list(range(1, 32))  # (in bounds, every thread writes)
+
+
+@pytest.mark.mps
+def test_a_command_buffer_error_on_this_mac_is_could_not_run_and_not_cached(fresh_tier_selection, tmp_path):
+    """The acceptance run's forced GPU fault (tests/command_buffer_fault.py), on the native tier."""
+    import command_buffer_fault
+
+    fresh_tier_selection.setenv(verification.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
+    executors.reset()
+    result = command_buffer_fault.run()
+    if not result["ran"]:
+        pytest.skip(result["why"])
+    assert result["ok"], result
+
+
+def _nested_kernel(monkeypatch, wrong: bool):
+    """int8_vectorwise_dequant's kernel (family int8_quant), made to call ops through the dispatcher:
+    quantize_blockwise (family blockwise_8bit) and int8_vectorwise_quant (its own family); with
+    `wrong`, its result doubled."""
+    op = ops.OPS["int8_vectorwise_dequant"]
+    real = op.kernel
+    nested = []
+
+    def kernel(executor, A, stats):
+        A8 = torch.randn(256, generator=torch.Generator().manual_seed(1))
+        nested.append(ops.op_packet("quantize_blockwise").redispatch(MPS, A8, op_inputs.signed_code(), 64))
+        nested.append(ops.op_packet("int8_vectorwise_quant").redispatch(MPS, torch.randn(4, 16), 0.0))
+        out = real(executor, A, stats)
+        return out * 2 if wrong else out
+
+    monkeypatch.setattr(op, "kernel", kernel)
+    return nested
+
+
+def _verify_in_a_thread(family: str):
+    """The verdict of `family`, from another thread that must finish (a wait for itself would not)."""
+    import threading
+
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault(
+        "v", verification.verdict(family, "emulated", executors.load_tier("emulated"))), daemon=True)  # fmt: skip
+    thread.start()
+    thread.join(300)
+    assert not thread.is_alive(), "the verification waits for itself"
+    return done["v"]
+
+
+def test_a_family_whose_kernels_call_ops_does_not_wait_for_itself(emulated_tier, monkeypatch):
+    """An op of another family, called from inside a family's verification, verifies that family on the
+    same thread (the lock is reentrant); an op of the same family runs on the tier as part of it."""
+    nested = _nested_kernel(monkeypatch, wrong=False)
+    v = _verify_in_a_thread("int8_quant")
+    assert v.passed and len(nested) >= 2, v
+    info = bnb_mps.backend_info()
+    assert info["quantize_blockwise"]["tier"] == info["int8_vectorwise_quant"]["tier"] == "emulated"
+    assert verification.verdict("blockwise_8bit", "emulated", executors.load_tier("emulated")).passed
+
+
+def test_routes_made_while_a_family_was_verified_are_made_again(emulated_tier, monkeypatch):
+    """The op of its own family ran on the tier (and got a route) before the family's verdict was known:
+    once the family fails, that route is dropped, and the op leaves the tier."""
+    _nested_kernel(monkeypatch, wrong=True)
+    v = _verify_in_a_thread("int8_quant")
+    assert not v.passed and v.case.startswith("int8_vectorwise_dequant"), v
+    r = routing.route("int8_vectorwise_quant")
+    assert r.tier in ("bitsandbytes", "cpu") and "int8_quant kernels failed verification" in r.reason, r
 
 
 # -- the API and the command ---------------------------------------------------------------------------------
@@ -619,6 +899,17 @@ def test_verify_with_no_tier_on_a_machine_without_kernel_tiers(fresh_tier_select
     executors.reset()
     with pytest.raises(ValueError, match="tier='emulated'"):
         bnb_mps.verify()
+
+
+def test_the_verify_table_shows_what_a_first_run_found():
+    from bnb_mps.__main__ import verify_table
+
+    verdicts = {"nf4_fp4": verification.Verdict("nf4_fp4", True, 1.5, launches=60, bytes=10,
+                                                 first_failure="failed in case 'x': 2 of 8 elements differ"),
+                "int8_quant": verification.Verdict("int8_quant", True, 0.5, launches=40, bytes=10)}  # fmt: skip
+    text = " ".join(" ".join(verify_table(verdicts)).split())  # (wrapped at 100 columns)
+    assert "nf4_fp4: passed on its second run, in a fresh command buffer (its first run failed in case 'x': 2 of 8" in text
+    assert "int8_quant:" not in text  # (a plain pass has its row only)
 
 
 def test_python_m_bnb_mps_verify(tmp_path):

@@ -397,6 +397,14 @@ def gpu_verdicts(tier: str, executor, op_names) -> dict:
     return check
 
 
+def _tuning_line(entry: dict) -> str:
+    """One tuning choice (an entry of bnb_mps.tuning_table()) in a line."""
+    line = f"{entry.get('op')} {entry.get('key')}: {entry.get('choice')}"
+    if entry.get("default") not in (None, entry.get("choice")):
+        line += f" (built-in: {entry['default']})"
+    return line + (" (cached)" if entry.get("cached") else "")
+
+
 def gpu_report_lines(check: dict, shown: int = 8) -> list[str]:
     """The verdicts (and the tuning choices) in the printed summary."""
     lines = [f"  kernel check       the {check['tier']} tier's kernel families, as this GPU verified them at first use"]
@@ -410,6 +418,7 @@ def gpu_report_lines(check: dict, shown: int = 8) -> list[str]:
     if isinstance(tuning, dict):
         tuning = [f"{key}: {value}" for key, value in tuning.items()]
     if isinstance(tuning, (list, tuple)):
+        tuning = [_tuning_line(entry) if isinstance(entry, dict) else entry for entry in tuning]
         lines.append(f"    tuning           {len(tuning)} choices")
         lines += [f"      {entry}" for entry in tuning[:shown]]
         if len(tuning) > shown:

@@ -5,6 +5,8 @@ Both run once per kernel launch, so they stay cheap: no allocation beyond the er
 
 from __future__ import annotations
 
+from .base import ExecutorUnavailable
+
 # Metal's limit on threads per threadgroup on every Apple GPU; a pipeline may allow fewer (the
 # native library checks that one too).
 MAX_THREADS_PER_THREADGROUP = 1024
@@ -16,8 +18,6 @@ SIMD_WIDTH = 32
 
 def check_simd_width(width, kernel: str) -> None:
     """Raise ExecutorUnavailable unless a pipeline's thread execution width is SIMD_WIDTH."""
-    from .base import ExecutorUnavailable
-
     if width != SIMD_WIDTH:
         raise ExecutorUnavailable(
             f"this GPU runs kernel {kernel!r} with a SIMD width of {width}; bnb_mps' kernels are written for "
@@ -50,14 +50,6 @@ def check_geometry(grid, threadgroup) -> bool:
             f"{MAX_THREADS_PER_THREADGROUP}"
         )
     return gx != 0 and gy != 0 and gz != 0
-
-
-def first_lines(text: object, n: int = 20) -> str:
-    """The first `n` lines of an error message (compiler logs can be very long)."""
-    lines = str(text).strip().splitlines()
-    if len(lines) <= n:
-        return "\n".join(lines)
-    return "\n".join(lines[:n] + [f"... ({len(lines) - n} more lines)"])
 
 
 def mps_unavailable_reason() -> str:

@@ -20,10 +20,18 @@ from typing import Any, Protocol, Union
 import torch
 
 from ..kernel_args import Scalar
-from ._gpu_common import first_lines
 
 KernelArg = Union[torch.Tensor, Scalar]
 Dim3 = tuple[int, int, int]
+
+
+def first_lines(text: object, n: int = 20) -> str:
+    """The first `n` lines of an error message (compiler logs can be very long)."""
+    lines = str(text).strip().splitlines()
+    if len(lines) <= n:
+        return "\n".join(lines)
+    return "\n".join(lines[:n] + [f"... ({len(lines) - n} more lines)"])
+
 
 
 class Executor(Protocol):
@@ -54,6 +62,12 @@ class Executor(Protocol):
     # The same launch as a function of its arguments, with what depends only on the kernel and the
     # geometry (their checks, the kernel's lookup, its pipeline limit) done once, here: the op layer
     # keeps it with a launch plan (bnb_mps.ops.plan) and calls it for every call the plan serves.
+    #
+    #   def watch_command_buffers(self) -> Optional[watch]   (the native tier)
+    #
+    # A watch of the GPU's command buffers, for first-use verification (bnb_mps.ops.verify): its
+    # `track()` after a launch watches the command buffer that holds it; after a synchronisation its
+    # `errors()` returns the error text of every watched buffer the device failed to run.
 
 
 class ExecutorUnavailable(RuntimeError):

@@ -46,8 +46,8 @@ from typing import Optional
 import torch
 
 from ..msl import source as kernel_source
-from ._gpu_common import check_geometry, check_simd_width, first_lines, mps_unavailable_reason
-from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg
+from ._gpu_common import check_geometry, check_simd_width, mps_unavailable_reason
+from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, first_lines
 
 BUILD_HINT = (
     "on an Apple Silicon Mac, from the bnb-mps source checkout with torch installed, run "
@@ -71,13 +71,15 @@ class NativeExecutor:
     name = "native"
     device_type = "mps"  # where its tensors live
 
-    def __init__(self, library) -> None:
+    def __init__(self, library, watch=None) -> None:
         """`library`: the compiled units (CompileUnits of `_native.KernelLibrary` objects), or one
         KernelLibrary that holds every kernel (the offline metallib; a library compiled from one
-        text). A kernel in neither goes to that one library, which raises ValueError naming it."""
+        text). A kernel in neither goes to that one library, which raises ValueError naming it.
+        `watch`: `_native.CommandBufferWatch`, what `watch_command_buffers` makes."""
         #: the Metal language version the kernels were compiled at, (major, minor), or None for the
         #: OS compiler's default (set by `load`)
         self.language_version: Optional[tuple[int, int]] = None
+        self._watch = watch
         if isinstance(library, CompileUnits):
             self._units: Optional[CompileUnits] = library
             self.origin: str = "source"
@@ -116,6 +118,12 @@ class NativeExecutor:
         launch = self._launchers.get(kernel, self._other)
         grid, threadgroup = tuple(grid), tuple(threadgroup)
         return lambda args: launch(kernel, grid, threadgroup, args)
+
+    def watch_command_buffers(self):
+        """A new `_native.CommandBufferWatch` (csrc/mps_ops.h): `track()` after a launch watches the
+        command buffer that holds it; after a synchronisation `errors()` lists Metal's error of each
+        watched buffer that failed. None where the module has none. (First-use verification.)"""
+        return self._watch() if self._watch is not None else None
 
     def pipeline_info(self, kernel: str) -> dict:
         """Metal's limits for `kernel`: max_total_threads_per_threadgroup, thread_execution_width,
@@ -258,7 +266,7 @@ def load() -> NativeExecutor:
         )
     if not torch.backends.mps.is_available():
         raise ExecutorUnavailable(f"MPS is not available: {mps_unavailable_reason()}")
-    executor = NativeExecutor(_open_library(_native))
+    executor = NativeExecutor(_open_library(_native), getattr(_native, "CommandBufferWatch", None))
     executor.language_version = METALLIB_LANGUAGE_VERSION if executor.origin.startswith("metallib") else \
         runtime_language_version(_native)
     # one pipeline: the width is a property of the GPU

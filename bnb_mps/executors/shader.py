@@ -63,9 +63,8 @@ import torch
 from ..device import _macos_version
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
-from ._gpu_common import (MAX_THREADS_PER_THREADGROUP, check_geometry, check_simd_width, first_lines,
-                          mps_unavailable_reason)
-from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError
+from ._gpu_common import MAX_THREADS_PER_THREADGROUP, check_geometry, check_simd_width, mps_unavailable_reason
+from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError, first_lines
 
 # Versions, checked in the released macOS arm64 wheels (the strings of libtorch_python.dylib):
 # torch 2.6.0 already has the kernel call with `threads`, `group_size` and `arg_casts` (casts

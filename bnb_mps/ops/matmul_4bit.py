@@ -117,18 +117,29 @@ def check_gemm_4bit(
 # rows the arithmetic (2*M*N*K) outgrows what scalar FMAs keep up with and the 8x8 matrix units
 # take over. The gemv kernel needs K % 32 == 0 and the batch kernel K % 16 == 0 (chunks of 32 / 16
 # nibbles per lane): M = 1 with K % 32 == 16 takes the batch kernel, and K % 16 != 0 (no real
-# model has it) the mma kernel, the only one that addresses nibbles one by one. The constants are
-# module attributes so that a benchmark on a Mac can move them (then calling bnb_mps.ops.routing.forget():
-# the op layer keeps launch plans per call signature); nothing here looks at tensor data.
+# model has it) the mma kernel, the only one that addresses nibbles one by one. Nothing here looks
+# at tensor data.
+#
+# These switch points are the built-in order (`choose_path`): reasoning, not a measurement on a Mac.
+# Each path, and each kernel variant of a path (`<path>/<variant>`: "gemv/tglut", the gemv kernel
+# with its 16-entry table copied to threadgroup memory instead of read from constant memory), is a
+# route that the planners take as an argument (`route=`), so that tuning (bnb_mps.ops.tuning) can
+# measure every route `paths` offers for a shape on the user's GPU and plan the fastest.
 GEMV_MAX_M = 1
 SMALL_BATCH_MAX_M = 8
 
-#: where the gemv kernel reads the 16-entry table: "constant" (constant memory, the default) or
-#: "threadgroup" (copied into threadgroup memory first); both are kept for measuring on a Mac.
-GEMV_TABLE = "constant"
+#: route names of the kernel paths and variants -> the multiple of K their kernel needs (nibbles per
+#: lane per step of the gemv and batch kernels; the mma kernel addresses nibbles one by one)
+PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "mma": 1}
 
-# Nibbles per lane per step of the gemv and batch kernels: they need K to be a multiple of it.
-_GEMV_CHUNK, _BATCH_CHUNK = 32, 16
+# Rows of A up to which the gemv and batch kernels are worth measuring against the mma kernel: the
+# gemv kernel reads the whole weight once per row of A, the batch kernel once per 8 rows, the mma
+# kernel once per 32; with more rows than these, they read it more often than the mma kernel does.
+# These and the switch points above are powers of two, as tuning's buckets of M are (every M of a
+# bucket has the same paths and the same built-in one).
+GEMV_CANDIDATE_MAX_M = 4
+BATCH_CANDIDATE_MAX_M = 32
+
 _ROWS_PER_TG = 8  # weight rows per threadgroup in the gemv / batch kernels
 _BATCH_M = 8  # rows of A per threadgroup in the batch kernel
 _MMA_BM, _MMA_BN = 32, 64  # output tile of the mma kernel (rows of A x rows of W)
@@ -139,12 +150,29 @@ _FLAG_BIAS, _FLAG_AVEC = 1, 2
 
 
 def choose_path(M: int, N: int, K: int) -> str:
-    """The kernel for an [M, K] x [N, K]^T product: "gemv", "batch" or "mma" (shapes only)."""
-    if M <= GEMV_MAX_M and K % _GEMV_CHUNK == 0:
+    """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "batch" or "mma" (shapes only)."""
+    if M <= GEMV_MAX_M and K % PATH_K_MULTIPLE["gemv"] == 0:
         return "gemv"
-    if M <= SMALL_BATCH_MAX_M and K % _BATCH_CHUNK == 0:
+    if M <= SMALL_BATCH_MAX_M and K % PATH_K_MULTIPLE["batch"] == 0:
         return "batch"
     return "mma"
+
+
+def paths(M: int, N: int, K: int) -> tuple[str, ...]:
+    """The kernel routes worth measuring for an [M, K] x [N, K]^T product, the built-in one
+    (`choose_path`) first. An empty product has only the built-in one."""
+    default = choose_path(M, N, K)
+    if M == 0 or N == 0 or K == 0:
+        return (default,)
+    valid = [p for p, limit in (("gemv", GEMV_CANDIDATE_MAX_M), ("gemv/tglut", GEMV_CANDIDATE_MAX_M),
+                                ("batch", BATCH_CANDIDATE_MAX_M), ("mma", None))
+             if (limit is None or M <= limit) and K % PATH_K_MULTIPLE[p] == 0]  # fmt: skip
+    return (default, *(p for p in valid if p != default))
+
+
+def _matmul_paths(A, B, shapeB, *rest) -> tuple[str, ...]:
+    """`paths` of a call (its arguments in schema order)."""
+    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1])
 
 
 def _rows_copy(A: torch.Tensor) -> torch.Tensor:
@@ -176,14 +204,19 @@ def _constant_copy(code: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, code, bias,
-                   nested: Optional[tuple]) -> None:  # fmt: skip
-    """out[..., N] = A @ dequant(B).T (+ bias): one kernel launch (none for empty products).
+                   nested: Optional[tuple], route: Optional[str]) -> None:  # fmt: skip
+    """out[..., N] = A @ dequant(B).T (+ bias): one kernel launch (none for empty products), of the
+    kernel path `route` (a name of PATH_K_MULTIPLE; None: the built-in one, `choose_path`).
 
     Arguments are at the schema positions A = 0, B = 1, absmax = 3; `code` and `bias` are
     (position, tensor) or None; `nested` is ((position, tensor) of absmax_8bit, absmax_code,
     absmax_offset) or None."""
     N, K = shapeB
     M = math.prod(A.shape[:-1])
+    path = choose_path(M, N, K) if route is None else route
+    if path not in PATH_K_MULTIPLE or K % PATH_K_MULTIPLE[path]:
+        raise ValueError(f"{b.op}: route {path!r} cannot compute a product with K = {K} (routes: "
+                         f"{', '.join(f'{p} (K % {k} == 0)' for p, k in PATH_K_MULTIPLE.items())})")
     if M == 0 or N == 0 or K == 0:  # K == 0: an empty sum, only the bias (see _empty_sum)
         return
     A_ref, lda, A_start_aligned = _bind_A(b, A)
@@ -206,11 +239,10 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     else:
         code_ref = scales
     bias_ref = flat_arg(b, bias[0], bias[1]) if bias is not None else scales
-    path = choose_path(M, N, K)
     dt = DTYPE_NAMES[A.dtype]
     sc = "nested" if nested is not None else "absmax"
-    if path == "gemv":
-        variant = "_tglut" if GEMV_TABLE == "threadgroup" else ""
+    if path in ("gemv", "gemv/tglut"):
+        variant = "_tglut" if path == "gemv/tglut" else ""
         name = f"bnb_gemv_4bit{variant}_{sc}_{dt}"
         grid, threads = (math.ceil(N / _ROWS_PER_TG), M, 1), (64, 1, 1)
     elif path == "batch":
@@ -257,28 +289,28 @@ def _first_output(args: list, outs: tuple) -> torch.Tensor:
     return outs[0]
 
 
-@planner("gemm_4bit")
+@planner("gemm_4bit", paths=_matmul_paths)
 def plan_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
-                   absmax_offset=None) -> Plan:  # fmt: skip
+                   absmax_offset=None, *, route: Optional[str] = None) -> Plan:  # fmt: skip
     b = PlanBuilder(A.device, "gemm_4bit")
     out = _output(b, A, shapeB)
     nested = None if absmax_8bit is None else ((7, absmax_8bit), (8, absmax_code), (9, absmax_offset))
     _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, quant_type, None,
-                   (6, bias) if bias is not None else None, nested)  # fmt: skip
+                   (6, bias) if bias is not None else None, nested, route)  # fmt: skip
     finish = _empty_sum(_first_output, 6 if bias is not None else None) if shapeB[1] == 0 else None
     return b.build(result=out, finish=finish)
 
 
-@planner("gemv_4bit")
-def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> Plan:
+@planner("gemv_4bit", paths=_matmul_paths)
+def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize, *, route: Optional[str] = None) -> Plan:
     b = PlanBuilder(A.device, "gemv_4bit")
     out = _output(b, A, shapeB)
-    _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None)
+    _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None, route)
     return b.build(result=out, finish=_empty_sum(_first_output, None) if shapeB[1] == 0 else None)
 
 
-@planner("gemv_4bit.out")
-def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out) -> Plan:
+@planner("gemv_4bit.out", paths=_matmul_paths)
+def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out, *, route: Optional[str] = None) -> Plan:
     b = PlanBuilder(A.device, "gemv_4bit.out")
     N, K = shapeB
     check_size(b.op, "shapeB", N * K)
@@ -286,7 +318,7 @@ def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out) -> Plan:
     # The kernels store the output element by element: any contiguous `out` is written in place
     # (whatever its alignment); other layouts go through a contiguous temporary.
     target = out_arg(b, 6, out, any_alignment=True)
-    _matmul_launch(b, target, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None)
+    _matmul_launch(b, target, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None, route)
     return b.build(finish=_empty_sum(lambda args, outs: args[6], None) if K == 0 else None)
 
 
@@ -297,8 +329,9 @@ gemv_4bit_out = kernel_of("gemv_4bit.out")
 
 # -- the CPU fallback's composition ------------------------------------------------------------------
 #
-# docs/semantics.md section 4 on the CPU: the weight dequantized to float32, a float32 product (bias
-# added in float32), rounded once to A's dtype. Not bitsandbytes' CPU kernels: on CPUs with
+# docs/semantics.md section 4 on the CPU: the weight dequantized to float32 and rounded to A's dtype (as
+# dequantize_4bit gives it in that dtype), a float32 product (bias added in float32), rounded once to A's
+# dtype. Not bitsandbytes' CPU kernels: on CPUs with
 # AVX512-BF16, bitsandbytes 0.50.2 registers a CPU gemv_4bit that reads the weight in its own packed
 # CPU layout (the one Linear4bit converts weights to on such CPUs), so it returns wrong values for the
 # standard layout these ops take; its CPU gemm_4bit dequantizes through the path dequantize_4bit_cpu
@@ -307,6 +340,7 @@ gemv_4bit_out = kernel_of("gemv_4bit.out")
 
 
 def _linear_float32(A, W, bias):
+    W = W.to(A.dtype).float()  # (a no-op for float32 A)
     out = torch.nn.functional.linear(A.float(), W, None if bias is None else bias.float())
     return out.to(A.dtype)
 

@@ -274,9 +274,17 @@ class Planned:
     dynamic_positions: int = 0  # bit mask of argument positions
     #: dynamic(args, plan.dynamic_base) -> the call's per-call Scalars (plan.n_dynamic of them)
     dynamic: Optional[Callable[[Sequence, Any], tuple]] = None
+    #: paths(*args) -> the kernel paths (route names) worth measuring for a call, the built-in one
+    #: first (ops with several paths; their planner takes one as `route=`); None: one path
+    paths: Optional[Callable[..., tuple]] = None
+
+    def plan(self, args: Sequence, route: Optional[str] = None) -> Plan:
+        """The plan of a call (arguments in schema order, defaults filled) on kernel path `route`
+        (None: the built-in one)."""
+        return self.planner(*args) if route is None else self.planner(*args, route=route)
 
 
-def execute(planned: Planned, executor, args: Sequence) -> Any:
+def execute(planned: Planned, executor, args: Sequence, route: Optional[str] = None) -> Any:
     """Plan and run one call (arguments in schema order, defaults filled), without caching."""
     args = tuple(args)
-    return BoundPlan(planned.planner(*args), executor, dynamic=planned.dynamic)(args)
+    return BoundPlan(planned.plan(args, route), executor, dynamic=planned.dynamic)(args)

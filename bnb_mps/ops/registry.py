@@ -70,16 +70,19 @@ def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return deco
 
 
-def planner(name: str, *, dynamic_positions=(), dynamic=None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def planner(name: str, *, dynamic_positions=(), dynamic=None,
+            paths=None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:  # fmt: skip
     """Attach an op's planner, `fn(*args) -> bnb_mps.ops.plan.Plan` with the schema's arguments; the
     op's kernel then plans and runs each call. `dynamic_positions` / `dynamic`: arguments taken per
-    call (left out of plan keys) and the function that checks them and returns their scalars."""
+    call (left out of plan keys) and the function that checks them and returns their scalars.
+    `paths`: for an op with several kernel paths, `paths(*args)` names the paths (route names) worth
+    measuring for a call, the built-in one first; the planner then takes one of them as `route=`."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         from .plan import Planned, execute
 
-        planned = Planned(fn, sum(1 << i for i in dynamic_positions), dynamic)
-        kernel(name)(lambda executor, *args: execute(planned, executor, args))
+        planned = Planned(fn, sum(1 << i for i in dynamic_positions), dynamic, paths)
+        kernel(name)(lambda executor, *args, route=None: execute(planned, executor, args, route))
         OPS[name].planned = planned
         return fn
 
@@ -87,8 +90,9 @@ def planner(name: str, *, dynamic_positions=(), dynamic=None) -> Callable[[Calla
 
 
 def kernel_of(name: str) -> Callable[..., Any]:
-    """The kernel function of op `name`: `fn(executor, *args)`."""
-    return lambda executor, *args: OPS[name].kernel(executor, *args)
+    """The kernel function of op `name`: `fn(executor, *args)` (planned ops with several kernel paths
+    also take `route=`, see `planner`)."""
+    return lambda executor, *args, **route: OPS[name].kernel(executor, *args, **route)
 
 
 def composite(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

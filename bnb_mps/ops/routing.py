@@ -10,7 +10,10 @@ In order of preference:
 3. the CPU round trip (route "cpu"): bitsandbytes' CPU implementation with transfers, for ops
    bitsandbytes cannot run on mps at all, or when BNB_MPS_EXECUTOR=cpu forces it.
 
-Installing bnb_mps therefore never makes an op slower than stock bitsandbytes.
+Where bnb_mps has no GPU tier for an op, bitsandbytes' own implementation serves it; where it has
+one, the route of each call's shape on that tier (its kernel paths, dequantize+linear, bitsandbytes'
+own implementation) is measured on the user's GPU at first use (bnb_mps.ops.tuning), so that
+bnb_mps does not make a shape slower than stock on that machine.
 
 A kernel tier serves an op only once the op's kernel families passed their first-use verification
 on this machine (`bnb_mps.ops.verify`); a family that failed sends its ops to route 2 or 3, with the
@@ -115,6 +118,9 @@ def forget() -> None:
     with _lock:
         _routes.clear()
         epoch += 1
+
+
+verify.on_stale_routes(forget)  # (routes made while a family's own verification ran: see bnb_mps.ops.verify)
 
 
 def refuse(name: str, refusal: Exception) -> Route:

@@ -13,13 +13,14 @@
 //                        per threadgroup; each lane holds 32 activations in registers and reads,
 //                        per row and per step, 16 bytes (32 nibbles) of packed weight with one
 //                        128-bit load and that chunk's block scale once (a chunk never spans two
-//                        blocks, so even at blocksize 32 no two lanes load the same scale); one
+//                        blocks, so even at blocksize 32 no two lanes load the same scale), and
+//                        dequantizes the 32 weights with it (see "Rounding" below); one
 //                        simd_sum per row at the end; no threadgroup barrier (the
 //                        threadgroup-table variant has one, before the loop). Needs K % 32 == 0.
 //   bnb_gemm_4bit_batch  2 <= M <= 8 (small batch), and M = 1 when K % 32 != 0. The same weight
 //                        walk with 8-byte (16-nibble) chunks, 4 simdgroups x 2 rows per
-//                        threadgroup, up to 8 rows of A per threadgroup: each lane looks its
-//                        16 nibbles per row up once and uses them for every row of A.
+//                        threadgroup, up to 8 rows of A per threadgroup: each lane dequantizes
+//                        its 16 weights per row once and uses them for every row of A.
 //                        Needs K % 16 == 0.
 //   bnb_gemm_4bit_mma    larger M, and every K that is not a multiple of 16. 32x64 output tiles
 //                        (A rows x W rows) per threadgroup of 4 simdgroups, K in steps of 32:
@@ -33,6 +34,17 @@
 // of C, so a chunk never crosses a block boundary, even where blocks straddle rows. The vector
 // paths need that (and C/2-byte aligned chunks, which it also gives); the mma kernel handles any
 // K (it falls back to per-nibble addressing and per-nibble scales when K % 16 != 0).
+//
+// Rounding: every kernel forms each term as a * w with the weight w = T(fl32(table[q] * scale)), the
+// value dequantize_4bit gives in the activations' dtype T, so that the only difference from
+// dequantize_4bit followed by linear (bitsandbytes' own gemv_4bit / gemm_4bit wherever it has no
+// fused kernel; its CUDA gemv also multiplies weights in T) is the order of summation
+// (docs/semantics.md section 4). For half and bfloat, a * w is exact in float. The gemv and batch
+// kernels load a chunk's scale once and dequantize each of the chunk's weights with it (one multiply
+// and one conversion per weight: a bandwidth-bound kernel does not notice them, and no dynamically
+// indexed per-thread table is needed); factoring the scale out of a chunk's sum
+// (scale * sum(a * table[q])) would round differently, and lose a * table[q] where it is a float32
+// subnormal while a * w is not. The mma kernel stages the same w in threadgroup memory.
 //
 // Memory access (coalescing): in the gemv kernel lane l of a simdgroup reads bytes
 // [16l, 16l + 16) of a 512-byte run of one weight row per step, so the 32 lanes' loads of a row
@@ -135,34 +147,46 @@ inline uint bnb_mm_byte(thread const uint* w, uint j) {
     return (w[j >> 2] >> (8u * (j & 3u))) & 0xFFu;
 }
 
-// sum_j x[j] * table[nibble j] over a chunk; two variants for the table's address space.
-template <uint C>
-inline float bnb_mm_dot_c(thread const uint* w, thread const float* x, constant float* lut) {
+// The dequantized weight in the activations' dtype T, as a float: T(fl32(table value * scale)), what
+// dequantize_4bit gives for T (see "Rounding" above). Exact as a float; for T = float, fl32(t * s).
+template <typename T>
+inline float bnb_mm_weight(float t, float s) {
+    return float(T(t * s));
+}
+
+// sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = bnb_mm_weight<T>(table[nibble j], s);
+// two variants for the table's address space.
+template <typename T, uint C>
+inline float bnb_mm_dot_c(thread const uint* w, thread const float* x, constant float* lut, float s) {
     float d = 0.0f;
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        d += x[2u * j] * lut[b >> 4] + x[2u * j + 1u] * lut[b & 15u];
+        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
+        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
+        d += x[2u * j] * hi + x[2u * j + 1u] * lo;
     }
     return d;
 }
 
-template <uint C>
-inline float bnb_mm_dot_tg(thread const uint* w, thread const float* x, threadgroup const float* lut) {
+template <typename T, uint C>
+inline float bnb_mm_dot_tg(thread const uint* w, thread const float* x, threadgroup const float* lut, float s) {
     float d = 0.0f;
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        d += x[2u * j] * lut[b >> 4] + x[2u * j + 1u] * lut[b & 15u];
+        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
+        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
+        d += x[2u * j] * hi + x[2u * j + 1u] * lo;
     }
     return d;
 }
 
-// t[j] = table[nibble j] of a chunk.
-template <uint C>
-inline void bnb_mm_decode(thread const uint* w, constant float* lut, thread float* t) {
+// t[j] = bnb_mm_weight<T>(table[nibble j], s) of a chunk: its dequantized weights.
+template <typename T, uint C>
+inline void bnb_mm_dequant_chunk(thread const uint* w, constant float* lut, float s, thread float* t) {
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        t[2u * j] = lut[b >> 4];
-        t[2u * j + 1u] = lut[b & 15u];
+        t[2u * j] = bnb_mm_weight<T>(lut[b >> 4], s);
+        t[2u * j + 1u] = bnb_mm_weight<T>(lut[b & 15u], s);
     }
 }
 
@@ -251,8 +275,7 @@ template <typename T, bool NESTED, bool TG_TABLE>
             uint w[C / 8u];
             bnb_mm_chunk<C>(B, idx, w);
             const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
-            const float d = TG_TABLE ? bnb_mm_dot_tg<C>(w, x, lut_tg) : bnb_mm_dot_c<C>(w, x, lut);
-            acc[r] += s * d;
+            acc[r] += TG_TABLE ? bnb_mm_dot_tg<T, C>(w, x, lut_tg, s) : bnb_mm_dot_c<T, C>(w, x, lut, s);
         }
     }
     for (uint r = 0; r < R; ++r) {
@@ -308,15 +331,14 @@ template <typename T, bool NESTED>
         }
     }
     for (uint k = lane * C; k < K; k += 32u * C) {
-        // Look each weight row's chunk up once...
+        // Dequantize each weight row's chunk once...
         float t[R][C];
-        float s[R];
         for (uint r = 0; r < R; ++r) {
             const uint idx = base[r] + k;
             uint w[C / 8u];
             bnb_mm_chunk<C>(B, idx, w);
-            bnb_mm_decode<C>(w, lut, t[r]);
-            s[r] = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
+            const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
+            bnb_mm_dequant_chunk<T, C>(w, lut, s, t[r]);
         }
         // ... and use it for every row of A.
         for (uint i = 0; i < MT; ++i) {
@@ -328,7 +350,7 @@ template <typename T, bool NESTED>
                     for (uint j = 0; j < C; ++j) {
                         d += x[j] * t[r][j];
                     }
-                    acc[i][r] += s[r] * d;
+                    acc[i][r] += d;
                 }
             }
         }
@@ -368,8 +390,8 @@ inline void bnb_mma_load_a8(device const T* A, uint m, uint k, uint M, uint K, u
     }
 }
 
-// v[0..16) = dequant(W)[n, k .. k + 16), 0 outside [0, N) x [0, K).
-template <bool NESTED>
+// v[0..16) = dequant(W)[n, k .. k + 16) in T (as floats, bnb_mm_weight), 0 outside [0, N) x [0, K).
+template <typename T, bool NESTED>
 inline void bnb_mma_dequant16(device const uchar* B, device const float* absmax, device const uchar* absmax_8bit,
                               device const float* absmax_code, float offset, constant float* lut, uint n, uint k,
                               uint N, uint K, uint block_shift, thread float* v) {
@@ -381,8 +403,8 @@ inline void bnb_mma_dequant16(device const uchar* B, device const float* absmax,
         const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
         for (uint j = 0; j < 8u; ++j) {
             const uint b = bnb_mm_byte(w, j);
-            v[2u * j] = lut[b >> 4] * s;
-            v[2u * j + 1u] = lut[b & 15u] * s;
+            v[2u * j] = bnb_mm_weight<T>(lut[b >> 4], s);
+            v[2u * j + 1u] = bnb_mm_weight<T>(lut[b & 15u], s);
         }
     } else {
         for (uint j = 0; j < 16u; ++j) {
@@ -391,8 +413,8 @@ inline void bnb_mma_dequant16(device const uchar* B, device const float* absmax,
                 const uint idx = n * K + k + j;
                 const uint b = B[idx >> 1];
                 const uint nibble = (idx & 1u) != 0u ? (b & 15u) : (b >> 4);
-                v[j] = lut[nibble] *
-                       bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
+                v[j] = bnb_mm_weight<T>(lut[nibble], bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit,
+                                                                          absmax_code, offset));
             }
         }
     }
@@ -458,8 +480,8 @@ template <typename T, bool NESTED>
         for (uint j = 0; j < 8u; ++j) {
             smem[ar * BK + ac + j] = v[j];
         }
-        bnb_mma_dequant16<NESTED>(B, absmax, absmax_8bit, absmax_code, offset, lut, n0 + wr, k0 + wc, N, K,
-                                  block_shift, v);
+        bnb_mma_dequant16<T, NESTED>(B, absmax, absmax_8bit, absmax_code, offset, lut, n0 + wr, k0 + wc, N, K,
+                                     block_shift, v);
         for (uint j = 0; j < 16u; ++j) {
             smem[WS + (wc + j) * BN + wr] = v[j];
         }

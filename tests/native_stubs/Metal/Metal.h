@@ -78,8 +78,16 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
 - (void)dispatchThreads:(MTLSize)threadsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
 @end
 
+typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus){
+    MTLCommandBufferStatusNotEnqueued = 0, MTLCommandBufferStatusEnqueued = 1,
+    MTLCommandBufferStatusCommitted = 2,   MTLCommandBufferStatusScheduled = 3,
+    MTLCommandBufferStatusCompleted = 4,   MTLCommandBufferStatusError = 5,
+};
+
 @protocol MTLCommandBuffer <NSObject>
 - (void)commit;
+@property(readonly) MTLCommandBufferStatus status;
+@property(nullable, readonly) NSError* error;
 @end
 
 typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);

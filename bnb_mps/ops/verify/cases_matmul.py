@@ -1,0 +1,70 @@
+"""The 4-bit matrix products' cases: one family per kernel path (gemv, batch, mma)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Optional
+
+import torch
+
+from . import sentinel
+from .cases import Case, Unaligned, gen
+from .compare import eps, close
+from .spec import NF4, fp4_table
+
+
+def _matmul_tolerance(A: torch.Tensor, W: torch.Tensor, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """|got - want| allowed between two float32-accumulated products of the same dequantized weight
+    (docs/semantics.md section 4), one of which (bitsandbytes' CPU path) may round the weight to the
+    activation dtype first: that rounding, a few float32 roundings of the sum of |a * w|, and one
+    rounding of each result to `out_dtype`."""
+    mag = A.double().abs() @ W.double().abs().T
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    wround = eps(A.dtype) if A.dtype != torch.float32 else 0.0
+    return (wround + 64 * 2.0**-24) * mag + 2 * eps(out_dtype) * mag + 1e-30
+
+
+def _matmul_compare(A, W, bias, index: Optional[int] = None) -> Callable:
+    def compare(got, want, got_args, want_args):
+        if index is not None:
+            got, want = got_args[index], want_args[index]
+        allowed = _matmul_tolerance(A.reshape(-1, A.shape[-1]), W, A.dtype, bias).reshape(want.shape)
+        return close(got, want, allowed)
+
+    return compare
+
+
+def matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
+    """Products of one kernel path: every activation dtype with plain and nested block scales, NF4
+    and FP4, with and without bias; A aligned (vector loads) and not (`Unaligned`: its start, and
+    for M > 1 its row starts, off the 16-byte grid, which the kernels read with scalar loads)."""
+    import bitsandbytes.functional as F
+
+    configs = [(torch.float16, "nf4", 64, True, True, False), (torch.bfloat16, "fp4", 32, False, True, False),
+               (torch.float32, "nf4", 128, True, False, False), (torch.float16, "fp4", 256, False, False, True),
+               (torch.bfloat16, "nf4", 64, True, True, True), (torch.float32, "fp4", 128, False, True, True)]  # fmt: skip
+    for i, (dtype, qt, blocksize, nested, with_bias, unaligned) in enumerate(configs):
+        g = gen(seed + i)
+        W = torch.randn(N, K, generator=g).to(dtype)
+        A = torch.randn(M, K, generator=g).to(dtype)
+        bias = (torch.randn(N, generator=g) * 4).to(dtype) if with_bias else None
+        packed, state = F.quantize_4bit(W, blocksize=blocksize, quant_type=qt, compress_statistics=nested)
+        Wq = F.dequantize_4bit(packed, state).float()  # the weight both sides multiply by
+        tag = (f"M={M} N={N} K={K} {qt} {dtype} blocksize={blocksize}{' nested' if nested else ''}"
+               f"{' unaligned A' if unaligned else ''}")  # fmt: skip
+        a = Unaligned(A, offset=1, pad=3 if M > 1 else 0) if unaligned else A
+        if nested:
+            args = (a, packed, [N, K], state.state2.absmax, blocksize, qt, bias, state.absmax, state.state2.code,
+                    state.offset.reshape(1))  # fmt: skip
+        else:
+            args = (a, packed, [N, K], state.absmax, blocksize, qt, bias, None, None, None)
+        yield Case(f"gemm_4bit {tag}{' bias' if with_bias else ''}", "gemm_4bit", args, _matmul_compare(A, Wq, bias))
+        if not nested and (i == 1 or unaligned and dtype == torch.float16):
+            table = torch.tensor(NF4) if qt == "nf4" else fp4_table()
+            gargs = (a, packed, [N, K], state.absmax, table.float(), blocksize)
+            yield Case(f"gemv_4bit {tag}", "gemv_4bit", gargs, _matmul_compare(A, Wq, None))
+            if not unaligned:
+                out = sentinel.filled((M, N), dtype)
+                yield Case(f"gemv_4bit.out {tag}", "gemv_4bit.out", gargs + (out,),
+                           _matmul_compare(A, Wq, None, index=6))  # fmt: skip

@@ -1,0 +1,56 @@
+"""Every kernel family, its ops and its cases: the table verification runs."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import replace
+
+from .cases import Case, Family
+from .cases_int8 import int8_product_cases, int8_quant_cases
+from .cases_matmul import matmul_cases
+from .cases_optim import optimizer_32bit_cases, optimizer_8bit_cases
+from .cases_quant import blockwise_8bit_cases, fourbit_cases
+from .cases_special import special_4bit_cases, special_8bit_cases
+
+_MATMUL_OPS = ("gemm_4bit", "gemv_4bit", "gemv_4bit.out")
+
+
+def _routed(cases: Iterator[Case], route: str) -> Iterator[Case]:
+    for case in cases:
+        yield replace(case, label=f"{case.label} ({route})", route=route)
+
+
+#: Every kernel family, in the order they are verified.
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("blockwise_8bit", ("quantize_blockwise", "dequantize_blockwise", "dequantize_blockwise.out"),
+           lambda: itertools.chain(blockwise_8bit_cases(), special_8bit_cases())),
+    Family("nf4_fp4", ("quantize_4bit", "dequantize_4bit", "dequantize_4bit.out"),
+           lambda: itertools.chain(fourbit_cases(), special_4bit_cases())),
+    # The three kernel paths of the 4-bit products (bnb_mps.ops.matmul_4bit.choose_path): M = 1 with
+    # K % 32 == 0; M <= 8 with K % 16 == 0; larger M, or K % 16 != 0. A failing path takes all three ops.
+    # K spans more than one step of every lane in the gemv (1024 per step) and batch (512) kernels;
+    # N leaves a partial group of 8 weight rows there, a partial tile of 64 in mma.
+    Family("matmul_4bit_gemv", _MATMUL_OPS, lambda: matmul_cases(1, 20, 1280, seed=900)),
+    Family("matmul_4bit_batch", _MATMUL_OPS, lambda: matmul_cases(5, 20, 560, seed=910)),
+    Family("matmul_4bit_mma", _MATMUL_OPS, lambda: matmul_cases(37, 40, 200, seed=920)),
+    # A kernel variant of a path (its 16-entry table in threadgroup memory): no op leaves the tier when
+    # it fails, only the variant is then no candidate for tuning (bnb_mps.ops.tuning).
+    Family("matmul_4bit_tglut", (), lambda: _routed(matmul_cases(1, 20, 1280, seed=930), "gemv/tglut")),
+    Family("int8_quant", ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant"),
+           int8_quant_cases),
+    Family("int8_products", ("int8_linear_matmul", "int8_linear_matmul.out", "int8_scaled_mm", "int8_mixed_scaled_mm"),
+           int8_product_cases),
+    Family("optimizer_8bit", ("optimizer_update_8bit_blockwise",), optimizer_8bit_cases),
+    Family("optimizer_32bit", ("optimizer_update_32bit",), optimizer_32bit_cases),
+]}  # fmt: skip
+
+_FAMILY_OF_OP: dict[str, list[str]] = {}
+for _f in FAMILIES.values():
+    for _op in _f.ops:
+        _FAMILY_OF_OP.setdefault(_op, []).append(_f.name)
+
+
+def families_of(op: str) -> list[str]:
+    """The families whose verification decides whether `op` may run on a kernel tier."""
+    return list(_FAMILY_OF_OP.get(op, ()))

@@ -1,0 +1,516 @@
+"""Tuning (bnb_mps.ops.tuning): an op with several routes takes the fastest verified one per shape key,
+measured at first use, kept per machine.
+
+No machine here has a GPU clock, so the decisions are driven by bnb_mps.testing.fixed_timings on the
+emulated tier (the kernels run under the emulator; each candidate still runs once), as the issue's
+checks do; the test of the `always` switch times the emulated kernels on the host's clock. The
+reference for what serves a call is always that route computed directly: the kernel path through its
+planner's route argument, dequantize+linear from bitsandbytes ops and torch's linear, bitsandbytes'
+own implementation with bnb-mps not registered.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import bitsandbytes.functional as F
+import pytest
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+import bnb_mps
+from bnb_mps import executors, ops
+from bnb_mps.ops import candidates, tuning, verify
+from bnb_mps.testing import RecordingExecutor, fixed_timings, use_emulated_kernels
+
+pytest.importorskip("bnb_mps._emu")
+MPS = DispatchKeySet(DispatchKey.MPS)
+pytestmark = [pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning"),
+              pytest.mark.filterwarnings("ignore::bnb_mps.ops.verify.VerificationWarning")]
+REPO = Path(__file__).resolve().parents[1]
+bnb = torch.ops.bitsandbytes
+ALL_ROUTES = ("gemv", "gemv/tglut", "batch", "mma", "kernel", "dequantize+linear", "bitsandbytes")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices(monkeypatch, tmp_path):
+    """Each test decides its keys afresh, in a cache file of its own, with tuning switched by the test alone."""
+    for var in (tuning.ENV_VAR, tuning.EXCLUDE_ENV_VAR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(tuning.CACHE_ENV_VAR, str(tmp_path / "tune.json"))
+    tuning.reset()
+    yield
+    tuning.reset()
+
+
+def gemm_args(M, N=48, K=256, dtype=torch.float32, nested=True, bias=False, blocksize=64, quant_type="nf4", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=g)
+    packed, state = F.quantize_4bit(W, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested)
+    A = torch.randn(M, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    if nested:
+        return [A, packed, [N, K], state.state2.absmax, blocksize, quant_type, b, state.absmax, state.state2.code,
+                state.offset.reshape(1)]  # fmt: skip
+    return [A, packed, [N, K], state.absmax, blocksize, quant_type, b, None, None, None]
+
+
+def times_favouring(route: str) -> dict:
+    """Every route at 1 ms, `route` ten times faster."""
+    return {**dict.fromkeys(ALL_ROUTES, 1e-3), route: 1e-4}
+
+
+def row_of(op: str, **fields) -> dict:
+    rows = [r for r in bnb_mps.tuning_table() if r["op"] == op and all(r[k] == v for k, v in fields.items())]
+    assert len(rows) == 1, (op, fields, bnb_mps.tuning_table())
+    return rows[0]
+
+
+def same_bits(got, want) -> bool:
+    if isinstance(want, (tuple, list)):
+        return len(got) == len(want) and all(same_bits(g, w) for g, w in zip(got, want))
+    if isinstance(want, torch.Tensor):
+        return (got.dtype == want.dtype and got.shape == want.shape
+                and torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)))  # fmt: skip
+    return got == want
+
+
+def gemm_by_hand(route: str, args: list):
+    """gemm_4bit computed on `route` directly (tuning off: nothing here goes through a choice)."""
+    args = copy.deepcopy(args)
+    if route == "bitsandbytes":  # bitsandbytes alone (bnb-mps is not registered for the cpu key here)
+        return bnb.gemm_4bit.default(*args)
+    with use_emulated_kernels() as kernels:
+        if route == "dequantize+linear":  # bitsandbytes' ops (served by bnb-mps' kernels here), then linear
+            A, B, shapeB, absmax, blocksize, quant_type, bias, q8, code8, offset = args
+            if q8 is not None:
+                absmax = bnb.dequantize_blockwise.default(q8, absmax, code8, 256, torch.float32) + offset
+            W = bnb.dequantize_4bit.default(B, absmax, blocksize, quant_type, shapeB, A.dtype)
+            return torch.nn.functional.linear(A, W, bias)
+        return ops.OPS["gemm_4bit"].kernel(kernels, *args, route=route)
+
+
+# -- the choice serves, bit for bit --------------------------------------------------------------------------
+
+GEMM_ROUTES = [(1, "gemv"), (1, "gemv/tglut"), (1, "batch"), (1, "mma"), (1, "dequantize+linear"),
+               (3, "batch"), (3, "gemv"), (3, "mma"), (3, "dequantize+linear"), (3, "bitsandbytes"),
+               (40, "mma"), (40, "dequantize+linear"), (40, "bitsandbytes")]  # fmt: skip
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
+@pytest.mark.parametrize("M,route", GEMM_ROUTES, ids=[f"M{m}-{r}" for m, r in GEMM_ROUTES])
+def test_the_fastest_route_serves_the_result_of_that_route(M, route, nested):
+    args = gemm_args(M, nested=nested, bias=not nested, dtype=torch.float16 if nested else torch.float32)
+    want = gemm_by_hand(route, args)
+    with use_emulated_kernels() as kernels, fixed_timings(times_favouring(route)):
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+        kernels.clear()
+        again = bnb.gemm_4bit.default(*copy.deepcopy(args))  # the kept choice: no measuring, the route alone
+    row = row_of("gemm_4bit")
+    assert row["choice"] == route and row["clock"] == "fixed" and not row["cached"], row
+    assert set(row["times"]) == set(candidates_of(M)), row
+    assert same_bits(got, want) and same_bits(again, want)
+    assert kernels.launched == launched_by(route, nested), kernels.launched
+
+
+def candidates_of(M):
+    return {1: ("gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes"),
+            3: ("gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes"),
+            40: ("mma", "dequantize+linear", "bitsandbytes")}[M]  # fmt: skip
+
+
+def launched_by(route: str, nested: bool) -> list:
+    sc, dt = ("nested", "f16") if nested else ("absmax", "f32")
+    scales = ["bnb_dequantize_blockwise_f32"] if nested else []
+    return {"gemv": [f"bnb_gemv_4bit_{sc}_{dt}"], "gemv/tglut": [f"bnb_gemv_4bit_tglut_{sc}_{dt}"],
+            "batch": [f"bnb_gemm_4bit_batch_{sc}_{dt}"], "mma": [f"bnb_gemm_4bit_mma_{sc}_{dt}"],
+            "dequantize+linear": scales + [f"bnb_dequantize_4bit_nf4_{dt}"],
+            # (bitsandbytes' gemm_4bit calls the dequantize ops through the dispatcher, where the same timings
+            # make bitsandbytes' own CPU dequantize_blockwise serve; its CPU dequantize_4bit is no route here)
+            "bitsandbytes": [f"bnb_dequantize_4bit_nf4_{dt}"]}[route]  # fmt: skip
+
+
+OTHER_OPS = {
+    "quantize_4bit": lambda: [torch.randn(64, 96, generator=torch.Generator().manual_seed(1)), 64, "nf4", torch.uint8],
+    "quantize_blockwise": lambda: [torch.randn(5000, generator=torch.Generator().manual_seed(2)),
+                                   F.create_dynamic_map(signed=True), 256],
+    "optimizer_update_32bit": lambda: ["adam", *(torch.randn(3000, generator=torch.Generator().manual_seed(s))
+                                                 for s in (3, 4)), torch.zeros(3000), torch.zeros(3000), None, 0.0, 0.0,
+                                       0.9, 0.999, 0.0, 0.0, 1e-8, 0.01, 3, 1e-3, 1.0, False],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["kernel", "bitsandbytes"])
+@pytest.mark.parametrize("name", sorted(OTHER_OPS))
+def test_quantize_and_optimizer_ops_take_the_fastest_of_kernel_and_bitsandbytes(name, route):
+    """In-place updates too: the caller's tensors are updated once, by the chosen route alone."""
+    args = OTHER_OPS[name]()
+    want_args = copy.deepcopy(args)
+    if route == "bitsandbytes":
+        want = ops.op_packet(name)(*want_args)  # bitsandbytes' own CPU implementation
+    else:
+        with use_emulated_kernels() as kernels:
+            want = ops.OPS[name].kernel(kernels, *want_args)
+    got_args = copy.deepcopy(args)
+    with use_emulated_kernels(), fixed_timings(times_favouring(route)):
+        got = ops.op_packet(name)(*got_args)
+    row = row_of(name)
+    assert row["choice"] == route and set(row["times"]) == {"kernel", "bitsandbytes"}, row
+    assert same_bits(got, want) and same_bits(got_args, want_args)
+
+
+def test_a_route_faster_by_less_than_the_margin_does_not_replace_the_built_in_one():
+    args = gemm_args(40)  # built-in: mma
+    for ratio, choice in ((1.04, "mma"), (1.06, "dequantize+linear")):
+        tuning.reset()
+        with use_emulated_kernels(), fixed_timings({"mma": 1e-3 * ratio, "dequantize+linear": 1e-3,
+                                                    "bitsandbytes": 2e-3}):  # fmt: skip
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+        row = row_of("gemm_4bit", default="mma")
+        assert row["choice"] == choice, (ratio, row)
+    assert tuning.decide({"mma": 1.05e-3, "gemv": 1e-3}, "mma") == "mma"
+    assert tuning.decide({"mma": 1.051e-3, "gemv": 1e-3}, "mma") == "gemv"
+    assert tuning.decide({"gemv": 1e-3, "batch": 0.5e-3}, "mma") == "batch"  # (the default raised)
+    assert tuning.decide({}, "mma") == "mma"
+
+
+def test_the_shape_key_rounds_rows_up_to_a_power_of_two_and_reads_no_data():
+    calls = [gemm_args(M) for M in (3, 4, 5, 8)]
+    calls.append(gemm_args(4))
+    calls[-1][0] = torch.full_like(calls[-1][0], float("nan"))
+    with use_emulated_kernels(), fixed_timings(times_favouring("mma")):
+        for args in calls:
+            bnb.gemm_4bit.default(*args)
+    keys = sorted(r["key"] for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit")
+    assert keys == ["gemm_4bit float32 M<=4 N=48 K=256 blocksize=64 nf4 nested",
+                    "gemm_4bit float32 M<=8 N=48 K=256 blocksize=64 nf4 nested"]  # fmt: skip
+    assert [candidates.m_bucket(M) for M in (1, 2, 3, 4096, 4097, 10**6)] == [1, 2, 4, 4096, 4097, 4097]
+
+
+def test_measuring_leaves_the_callers_random_numbers_alone():
+    """Fresh inputs come from a generator of their own: a first call changes no later random draw."""
+    args = gemm_args(40)
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    with use_emulated_kernels(), fixed_timings(times_favouring("mma")):
+        bnb.gemm_4bit.default(*args)
+    assert row_of("gemm_4bit")["times"]["mma"] == 1e-4 and torch.equal(torch.rand(4), want)
+
+
+def test_a_candidate_that_raises_is_dropped_with_its_error():
+    """A GPU tier whose dequantize kernel fails at launch (a stand-in for a fault): dequantize+linear,
+    measured fastest, raises there and is no candidate; the next fastest serves."""
+
+    class Faulty(RecordingExecutor):
+        def launch(self, kernel, *, grid, threadgroup, args):
+            if kernel.startswith("bnb_dequantize_4bit_"):
+                raise RuntimeError(f"{kernel}: command buffer error")
+            super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    faulty = Faulty(executors.load_tier("emulated"))
+    entry = ops.dispatcher_entry("gemm_4bit", faulty, None, lambda *a: bnb.gemm_4bit.default(*a))
+    args = gemm_args(40)
+    with fixed_timings({"dequantize+linear": 1e-4, "bitsandbytes": 5e-4, "mma": 1e-3}):
+        got = entry(tuple(copy.deepcopy(args)), {})
+    row = row_of("gemm_4bit")
+    assert row["choice"] == "bitsandbytes" and "dequantize+linear" not in row["times"], row
+    assert row["errors"] == {"dequantize+linear": "RuntimeError: bnb_dequantize_4bit_nf4_f32: command buffer error"}
+    assert same_bits(got, gemm_by_hand("bitsandbytes", args))
+
+
+def test_switch_0_keeps_the_built_in_order_and_excluded_routes_are_no_candidates(monkeypatch):
+    args = gemm_args(40)
+    monkeypatch.setenv(tuning.ENV_VAR, "0")
+    with use_emulated_kernels() as kernels, fixed_timings(times_favouring("dequantize+linear")):
+        bnb.gemm_4bit.default(*copy.deepcopy(args))
+    assert kernels.launched == ["bnb_gemm_4bit_mma_nested_f32"] and bnb_mps.tuning_table() == []
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "dequantize+linear, bitsandbytes")
+    with use_emulated_kernels() as kernels, fixed_timings(times_favouring("dequantize+linear")):
+        bnb.gemm_4bit.default(*copy.deepcopy(args))
+    row = row_of("gemm_4bit")
+    assert row["choice"] == "mma" and list(row["times"]) == ["mma"], row
+    assert row["left_out"] == dict.fromkeys(["dequantize+linear", "bitsandbytes"],
+                                            "excluded by BNB_MPS_TUNE_EXCLUDE")  # fmt: skip
+
+
+def test_tuning_is_off_on_the_emulated_tier_unless_asked_for(monkeypatch):
+    assert tuning.mode("emulated", "cpu") == "0" and tuning.mode("shader", "cpu") == "0"
+    assert tuning.mode("native", "mps") == "1" and tuning.mode("shader", "mps") == "1"
+    monkeypatch.setenv(tuning.ENV_VAR, "always")
+    assert tuning.mode("emulated", "cpu") == "always"
+    monkeypatch.setenv(tuning.ENV_VAR, "sometimes")
+    assert tuning.mode("emulated", "cpu") == "0" and tuning.mode("native", "mps") == "1"
+    monkeypatch.delenv(tuning.ENV_VAR)
+    args = gemm_args(40)
+    with use_emulated_kernels() as kernels:
+        bnb.gemm_4bit.default(*args)
+    assert kernels.launched == ["bnb_gemm_4bit_mma_nested_f32"] and bnb_mps.tuning_table() == []
+
+
+def test_always_measures_each_key_again_once_per_process_and_rewrites_it(monkeypatch):
+    """Timed for real here: the emulated kernels on the host's clock (figures that mean nothing for a GPU)."""
+    args = gemm_args(3, N=24, K=128)
+    with use_emulated_kernels(), fixed_timings(times_favouring("dequantize+linear")):
+        bnb.gemm_4bit.default(*copy.deepcopy(args))
+    measured = []
+    real = tuning.measure
+    monkeypatch.setattr(tuning, "measure", lambda c, *a, **k: measured.append(c.op) or real(c, *a, **k))
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    with use_emulated_kernels() as kernels:
+        bnb.gemm_4bit.default(*copy.deepcopy(args))  # the cached choice, not measured
+    assert measured == [] and row_of("gemm_4bit")["choice"] == "dequantize+linear"
+    assert kernels.launched == ["bnb_dequantize_blockwise_f32", "bnb_dequantize_4bit_nf4_f32"]
+    monkeypatch.setenv(tuning.ENV_VAR, "always")
+    tuning.reset()
+    four = gemm_args(4, N=24, K=128)
+    with use_emulated_kernels():
+        for _ in range(2):
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+        bnb.gemm_4bit.default(*four)  # (the same key: M rounds up to 4)
+    # (measuring bitsandbytes' gemm_4bit calls dequantize_blockwise, whose new key is measured too)
+    assert measured.count("gemm_4bit") == 1, measured
+    row = row_of("gemm_4bit")
+    assert row["clock"] == "host" and not row["cached"] and row["times"]["batch"] > 0
+    assert set(row["times"]) == {"gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes"}, row
+    (stored,) = [e for entries in json.loads(tuning.cache_path().read_text()).values() for k, e in entries.items()
+                 if k == row["key"]]  # fmt: skip
+    assert stored["clock"] == "host" and stored["times"] == row["times"] and stored["choice"] == row["choice"]
+
+
+# -- verification decides the candidates ---------------------------------------------------------------------
+
+
+def test_routes_of_an_unverified_family_are_never_candidates(fresh_tier_selection, tmp_path):
+    """A GPU tier (the emulated executor standing in as "shader", mps calls through the MPS key) whose
+    threadgroup-table gemv kernels and NF4 dequantize kernel fault: their families fail first-use
+    verification, so gemv/tglut and dequantize+linear are no candidates of gemm_4bit, however fast."""
+    class Faulty(RecordingExecutor):
+        def launch(self, kernel, *, grid, threadgroup, args):
+            if "_tglut_" in kernel or kernel.startswith("bnb_dequantize_4bit_nf4_"):
+                raise RuntimeError(f"{kernel}: the GPU faulted")
+            super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    args = gemm_args(1, nested=False)
+    want = gemm_by_hand("batch", args)
+    stand_in = Faulty(executors.load_tier("emulated"))
+    stand_in.name = "shader"
+
+    def load(name):
+        if name == "shader":
+            return stand_in
+        raise executors.ExecutorUnavailable(f"{name} stands in as unavailable")
+
+    fresh_tier_selection.setattr(executors, "load_tier", load)
+    fresh_tier_selection.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))  # (its failures stay here)
+    verify.reset()
+    executors.reset()
+    try:
+        with fixed_timings({"gemv/tglut": 1e-5, "dequantize+linear": 2e-5, "batch": 1e-4, "gemv": 1e-3}):
+            got = ops.op_packet("gemm_4bit").redispatch(MPS, *copy.deepcopy(args))
+        row = row_of("gemm_4bit")
+        assert row["tier"] == "shader" and row["choice"] == "batch", row
+        assert "gemv/tglut" not in row["times"] and "dequantize+linear" not in row["times"]
+        assert "matmul_4bit_tglut did not pass" in row["left_out"]["gemv/tglut"]
+        assert "nf4_fp4 did not pass" in row["left_out"]["dequantize+linear"]
+        assert ops.route("gemm_4bit").tier == "shader"  # (a variant's family takes no op off the tier)
+        assert same_bits(got, want)
+    finally:
+        verify.reset()
+
+
+# -- the cache ------------------------------------------------------------------------------------------------
+
+
+def run_python(code: str, **env) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+HEADER = """
+    import copy, json, sys
+    import torch, bitsandbytes, bnb_mps
+    from bnb_mps.ops import tuning
+    from bnb_mps.testing import fixed_timings, use_emulated_kernels
+    sys.path.insert(0, {tests!r})
+    from test_tuning import gemm_args
+    args = gemm_args(40)
+"""
+
+
+def test_the_cache_is_read_by_a_new_process_and_invalidated_by_a_source_change(tmp_path):
+    cache = tmp_path / "tune.json"
+    env = {tuning.CACHE_ENV_VAR: str(cache), tuning.ENV_VAR: "1"}
+    head = HEADER.format(tests=str(REPO / "tests"))
+    run_python(head + """
+    with use_emulated_kernels(), fixed_timings({"mma": 1e-3, "dequantize+linear": 5e-4}):
+        torch.ops.bitsandbytes.gemm_4bit(*args)
+    """, **env)  # fmt: skip
+    data = json.loads(cache.read_text())
+    ((machine, entries),) = data.items()
+    key = "gemm_4bit float32 M<=64 N=48 K=256 blocksize=64 nf4 nested"
+    assert machine.startswith("emulated | ") and entries[key]["choice"] == "dequantize+linear"
+    # a new process: the choice from the cache, nothing measured
+    out = run_python(head + """
+    tuning.measure = None  # (measuring would raise)
+    with use_emulated_kernels() as kernels:
+        y = torch.ops.bitsandbytes.gemm_4bit(*args)
+    print(json.dumps([kernels.launched, bnb_mps.tuning_table()]))
+    """, **env)  # fmt: skip
+    launched, table = json.loads(out.splitlines()[-1])
+    assert launched == ["bnb_dequantize_blockwise_f32", "bnb_dequantize_4bit_nf4_f32"]
+    ((row,),) = [[r for r in table if r["op"] == "gemm_4bit"]]
+    assert row["cached"] and row["choice"] == "dequantize+linear" and row["times"] == {
+        "mma": 1e-3, "dequantize+linear": 5e-4, "bitsandbytes": float("inf")}, row  # fmt: skip
+    # another kernel source (BNB_MPS_KERNEL_DIR, a comment added): another key, measured again
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    from bnb_mps.msl import source
+
+    for f in source.kernel_dir().iterdir():
+        text = f.read_text() + ("\n// changed\n" if f.name == "gemm_4bit.h" else "")
+        (kernels / f.name).write_text(text)
+    out = run_python(head + """
+    from bnb_mps.ops import candidates
+    measured = []
+    def measure(c, tier, executor, verified=True):
+        measured.append(c.key)
+        return tuning.Decision(c.op, c.key, "mma", c.default, {"mma": 1.0}, tier)
+    tuning.measure = measure
+    op = bnb_mps.ops.OPS["gemm_4bit"]
+    c = candidates.of(op, args, None, "emulated", None)
+    print(json.dumps([tuning.choose(c, "emulated", None, verified=False), measured, bnb_mps.tuning_table()]))
+    """, **env, BNB_MPS_KERNEL_DIR=str(kernels))  # fmt: skip
+    choice, measured, table = json.loads(out.splitlines()[-1])
+    assert choice == "mma" and measured == [key]
+    assert len(json.loads(cache.read_text())) == 2  # (both sources' entries kept)
+    assert [r["cached"] for r in table if r["op"] == "gemm_4bit"] == [False]
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    cache = tmp_path / "tune.json"
+    code = """
+    import sys
+    from bnb_mps.ops import tuning
+    me = sys.argv[1]
+    for i in range(100):
+        d = tuning.Decision("gemm_4bit", f"key {me} {i}", "mma", "mma", {"mma": 1e-3}, "native")
+        tuning._store(f"machine {int(me) % 2}", d)
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(i)], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, tuning.CACHE_ENV_VAR: str(cache)}) for i in range(4)]  # fmt: skip
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    data = json.loads(cache.read_text())
+    assert sorted(data) == ["machine 0", "machine 1"]
+    assert sorted(k for entries in data.values() for k in entries) == sorted(f"key {p} {i}" for p in range(4)
+                                                                               for i in range(100))  # fmt: skip
+
+
+def test_a_malformed_cache_counts_as_empty(monkeypatch):
+    tuning.cache_path().write_text("{not json")
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    args = gemm_args(40)
+    with use_emulated_kernels(), fixed_timings(times_favouring("dequantize+linear")):
+        bnb.gemm_4bit.default(*args)
+    assert row_of("gemm_4bit")["choice"] == "dequantize+linear"
+    assert list(json.loads(tuning.cache_path().read_text()).values())[0]
+    assert tuning._from_entry({"op": "gemm_4bit", "choice": 1}, "k", "native") is None
+    wrong_time = {"op": "x", "choice": "mma", "default": "mma", "times": {"mma": "fast"}}
+    assert tuning._from_entry(wrong_time, "k", "t") is None
+
+
+def test_fixed_timings_checks_its_argument():
+    with pytest.raises(TypeError, match="dict of route name"):
+        with fixed_timings([("mma", 1.0)]):
+            pass
+    with pytest.raises(ValueError, match="route 'mma' must be a number of seconds"):
+        with fixed_timings({"mma": -1.0}):
+            pass
+
+
+# -- on a Mac -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.mps
+def test_mps_a_real_shape_is_measured_on_the_gpu_clock(monkeypatch):
+    """A decode and a prefill shape of a 7B model's projection, on the tier that serves mps: every
+    candidate timed on the GPU's clock, the choice serves, within docs/semantics.md section 4."""
+    import reference_matmul_4bit as R
+
+    monkeypatch.setenv(tuning.ENV_VAR, "always")
+    for M in (1, 512):
+        args = gemm_args(M, N=4096, K=4096, dtype=torch.float16, seed=M)
+        A, packed, shapeB, absmax, blocksize, _, _, q8, code8, offset = args
+        W = R.dequantized_weight(packed, shapeB, blocksize, "nf4", absmax, q8, code8, offset)
+        y = bnb.gemm_4bit.default(*[a.to("mps") if isinstance(a, torch.Tensor) else a for a in args])
+        row = row_of("gemm_4bit", key=f"gemm_4bit float16 M<={M} N=4096 K=4096 blocksize=64 nf4 nested")
+        assert row["clock"] == "gpu" and row["tier"] in ("native", "shader") and not row["errors"], row
+        assert row["choice"] in row["times"] and all(0 < t < 1 for t in row["times"].values()), row
+        assert len(row["times"]) >= (6 if M == 1 else 3), row  # (the paths, dequantize+linear, bitsandbytes)
+        R.check_accuracy(y.cpu(), A, W, linear_device="mps")
+
+
+# -- python -m bnb_mps tune ----------------------------------------------------------------------------------
+
+
+def test_the_tune_command_measures_every_candidate_on_the_emulated_tier_and_says_the_times_mean_nothing(tmp_path):
+    out_json, chart = tmp_path / "tune.json", tmp_path / "tune.png"
+    env = {**os.environ, tuning.CACHE_ENV_VAR: str(tmp_path / "cache.json")}
+    env.pop("BNB_MPS_EXECUTOR", None)
+    run = subprocess.run([sys.executable, "-m", "bnb_mps", "tune", "--tier", "emulated", "--shapes", "40x128,24x96",
+                          "--m", "1,3,33", "--json", str(out_json), "--chart", str(chart)], capture_output=True,
+                         text=True, env=env, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "these timings mean nothing for a GPU" in run.stdout
+    assert "40x128, ms per call" in run.stdout and "24x96, ms per call" in run.stdout
+    report = json.loads(out_json.read_text())
+    assert report["tier"] == "emulated" and report["clock"] == "host" and report["meaningful"] is False
+    rows = {(r["shape"], r["M"]): r for r in report["rows"]}
+    assert sorted(rows) == sorted((s, M) for s in ("40x128", "24x96") for M in (1, 3, 33))
+    for (shape, M), r in rows.items():
+        K = int(shape.split("x")[1])
+        want = {"mma", "dequantize+linear"} | ({"gemv", "gemv/tglut", "batch"} if M <= 4 and K % 32 == 0
+                                               else {"batch"} if M <= 32 else set())  # fmt: skip
+        if K % 64 == 0:  # (on CPU tensors bitsandbytes' route only where no block straddles a row: candidates.py)
+            want.add("bitsandbytes")
+        assert set(r["times"]) == want and not r["errors"], r
+        assert all(t > 0 for t in r["times"].values()) and r["choice"] in want and r["dense_fp16_linear"] > 0
+        assert (r["gbps"] is not None) == (M == 1) and r["share_of_peak"] is None
+    assert chart.read_bytes()[:4] == b"\x89PNG" or "no chart" in run.stdout
+    cached = json.loads((tmp_path / "cache.json").read_text())
+    assert sorted(k for entries in cached.values() for k in entries if k.startswith("gemm_4bit")) == sorted(
+        r["key"] for r in report["rows"])  # fmt: skip
+    info = subprocess.run([sys.executable, "-m", "bnb_mps"], capture_output=True, text=True, env=env, timeout=600)
+    assert info.returncode == 0 and "emulated: gemm_4bit float16 M<=1 N=40 K=128 blocksize=64 nf4 nested" in info.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "4096"], "--shapes takes NxK"), (["--shapes", "0x64"], "positive sizes"),
+    (["--m", "1,x"], "--m takes comma-separated"), (["--m", "0"], "--m takes comma-separated"),
+    (["--model", "GPT-5"], "unknown model 'GPT-5'; choose from Llama-3-8B"),
+])  # fmt: skip
+def test_the_tune_command_rejects_bad_arguments(argv, message, capsys, fresh_tier_selection):
+    from bnb_mps.__main__ import main
+
+    assert main(["tune", "--tier", "emulated", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_shapes():
+    from bnb_mps import model_shapes
+
+    assert model_shapes.layers("llama-3-8b") == [("q_proj, o_proj", 4096, 4096), ("k_proj, v_proj", 1024, 4096),
+                                                 ("gate_proj, up_proj", 14336, 4096), ("down_proj", 4096, 14336)]
+    assert [(N, K) for _, N, K in model_shapes.layers("Qwen2.5-7B")] == [(3584, 3584), (512, 3584), (18944, 3584),
+                                                                         (3584, 18944)]  # fmt: skip
+    assert len(model_shapes.layers("Flux-block")) == 6  # (proj_mlp has the feed-forward's shape)
