@@ -6,7 +6,8 @@
     print(lib.profile("my_kernel", grid=(4,), threadgroup=(64,), args=[x, y, uint32(n)]))
 
 Kernel text is compiled as C++ against shim Metal headers (csrc/emu/include) and run with one
-fiber per simulated thread; see /EMULATOR.md of the design notes and `Library.launch`.
+fiber per simulated thread; see docs/emulator.md (how simdgroup_matrix is modelled, what it
+costs and why) and `Library.launch`.
 `Library.profile` runs a kernel in an instrumented build and reports its memory traffic
 (bnb_mps.emulator.profile).
 """

@@ -2,10 +2,12 @@
 
 The compiler is the `compiler` argument, else BNB_MPS_EMU_CXX, else c++ / g++ / clang++ from
 PATH. Kernels are built as C++17 with -O2, IEEE float (no fast-math, no FMA contraction) so that
-results are reproducible, and -Werror=vla. BNB_MPS_EMU_CXXFLAGS adds flags (the sanitizer script
-uses it). Modules are cached under $BNB_MPS_CACHE_DIR/emu (default ~/.cache/bnb_mps/emu), keyed
-by the source, the shim headers, the compiler and the flags; writes go to a temporary file that
-is renamed into place, so concurrent test processes share the cache safely.
+results are reproducible, and -Werror=vla; on an x86-64 CPU with F16C also with -mf16c
+(`isa_flags`), which changes no result. BNB_MPS_EMU_CXXFLAGS adds flags (the sanitizer script uses
+it; `-mno-f16c` there builds without F16C). Modules are cached under $BNB_MPS_CACHE_DIR/emu
+(default ~/.cache/bnb_mps/emu), keyed by the source, the shim headers, the compiler and the flags;
+writes go to a temporary file that is renamed into place, so concurrent test processes share the
+cache safely.
 
 Profiling modules (`Library.profile`) are a separate build: clang's
 `-fsanitize-coverage=trace-loads,trace-stores` makes every load and store of the kernel code call
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from .errors import CompileError
 
-ABI_VERSION = 5  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
+ABI_VERSION = 6  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
 
 
 def include_dir() -> Path:
@@ -123,6 +125,29 @@ def find_profile_compiler(compiler: str | None = None) -> str:
                        "or set BNB_MPS_EMU_PROFILE_CXX")
 
 
+@functools.lru_cache(maxsize=None)
+def isa_flags(path: str) -> tuple[str, ...]:
+    """Instruction-set flags for kernel modules on this machine that make them faster and change
+    no result: `-mf16c` on an x86-64 CPU with F16C (as the compiler sees the host with
+    -march=native). Without it, g++ and clang convert every `half` to and from float with a libgcc
+    call (__extendhfsf2, __truncsfhf2) instead of one instruction (vcvtph2ps, vcvtps2ph), which made
+    the half-precision kernels (the int8 products' simdgroup_matrix tiles) several times slower. The
+    instructions give the same bits as the library functions for every one of the 65,536 halves
+    and 2^32 floats, with and without the flushing float mode (checked exhaustively when this was
+    introduced; tests/emulator/test_float_mode.py checks every half and a sample of floats). Nothing
+    wider (AVX2, FMA, AVX-512) is enabled: AVX-512 FP16 would compute `half` arithmetic natively,
+    rounding differently from the float arithmetic the emulator models."""
+    try:
+        out = subprocess.run([path, "-march=native", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    macros = set(line.split()[1] for line in out.splitlines() if line.startswith("#define "))
+    if "__x86_64__" in macros and "__F16C__" in macros:
+        return ("-mf16c",)
+    return ()
+
+
 def flags(path: str, race_check: bool, profile: bool = False) -> list[str]:
     f = [
         "-std=c++17", "-O2", "-g1", "-fPIC", "-shared",
@@ -132,6 +157,7 @@ def flags(path: str, race_check: bool, profile: bool = False) -> list[str]:
         # Probe every page of a large stack frame, so that overflowing a fiber stack hits its
         # guard page instead of another simulated thread's stack.
         "-fstack-clash-protection",
+        *isa_flags(path),
     ]
     if is_clang(path):
         f += ["-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-duplicate-decl-specifier",

@@ -132,3 +132,44 @@ def test_process_survives_many_faults(lib):
     out = torch.zeros(1)
     lib.launch("vector_tail", grid=1, threadgroup=1, args=[torch.ones(9), out, uint32(9)])
     assert out.item() == 9.0
+
+
+# simdgroup_matrix operations are not yield points (csrc/emu/include/bnb_emu/sync.h): what the SIMD
+# collectives used to check for them, the runtime's per-simdgroup log checks.
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_matrix_operation_in_divergent_control_flow(lib, order):
+    with pytest.raises(emulator.DivergentCollective,
+                       match=r"matrix_in_a_branch.*divergent control flow.*simdgroup_(load|store).*simdgroup_(load|store)"):  # fmt: skip
+        lib.launch("matrix_in_a_branch", grid=1, threadgroup=32, args=[torch.ones(64), torch.zeros(64)], order=order)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_matrix_operation_with_lane_dependent_arguments(lib, order):
+    with pytest.raises(emulator.DivergentCollective, match="matrix_lane_address.*arguments that differ"):
+        lib.launch("matrix_lane_address", grid=1, threadgroup=32, args=[torch.ones(72), torch.zeros(64)], order=order)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_matrix_operations_counted_at_the_next_collective(lib, order):
+    with pytest.raises(emulator.DivergentCollective,
+                       match=r"matrix_count_mismatch.*simdgroup_load.*is at simd_sum .*without having reached it"):  # fmt: skip
+        lib.launch("matrix_count_mismatch", grid=1, threadgroup=32, args=[torch.ones(128), torch.zeros(96)], order=order)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_matrix_operations_skipped_by_returning_lanes(lib, order):
+    with pytest.raises(emulator.DivergentCollective, match="matrix_after_return.*simdgroup_load.*returned"):
+        lib.launch("matrix_after_return", grid=1, threadgroup=32, args=[torch.ones(64), torch.zeros(64)], order=order)
+
+
+def test_missing_barrier_before_a_matrix_load(lib):
+    # The lanes' writes reach a simdgroup_load only through a barrier, as on Metal: without one the
+    # result depends on the lane order, and the race checker names the tile.
+    x = torch.arange(64, dtype=torch.float32)
+    with pytest.raises(emulator.NondeterministicOutput, match="matrix_missing_barrier"):
+        emulator.run_checked(lib, "matrix_missing_barrier", grid=1, threadgroup=32, args=[x, torch.zeros(64)],
+                             race_check=False)  # fmt: skip
+    with pytest.raises(emulator.RaceDetected, match="matrix_missing_barrier.*'tile'"):
+        lib.launch("matrix_missing_barrier", grid=1, threadgroup=32, args=[x, torch.zeros(64)], race_check=True)

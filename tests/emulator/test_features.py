@@ -217,6 +217,28 @@ def test_simdgroup_matrix(lib):
     emulator.run_checked(lib, "sg_matmul", grid=1, threadgroup=32, args=[a.flatten(), b.flatten(), torch.zeros(64)])
 
 
+@pytest.mark.parametrize("threads", [32, 16, 5])
+def test_simdgroup_matrix_forms(lib, threads):
+    g = torch.Generator().manual_seed(threads)
+    a = torch.randint(-4, 4, (8, 8), generator=g).half()
+    b = torch.randint(-4, 4, (8, 8), generator=g).half()
+    c = torch.randint(-4, 4, (8, 8), generator=g).float()
+    d = a.double() @ b.double().T  # small integers: exact in every order
+    e = d @ c.double()
+
+    def check(args):
+        assert torch.equal(args[3].view(8, 8).double(), d)
+        assert torch.equal(args[4].view(8, 8).double(), e.T)  # stored transposed
+        assert torch.equal(args[5], torch.zeros(64))
+
+    def make_args():
+        return [a.flatten().clone(), b.flatten().clone(), c.flatten().clone(), torch.full((64,), 7.0),
+                torch.full((64,), 7.0), torch.full((64,), 7.0)]  # fmt: skip
+
+    launch_all_orders(lib, "sg_matrix_forms", grid=1, threadgroup=threads, check=check, make_args=make_args)
+    emulator.run_checked(lib, "sg_matrix_forms", grid=1, threadgroup=threads, args=make_args())
+
+
 def test_atomics_histogram(lib):
     n = 1000
     values = torch.randint(0, 1 << 20, (n,), dtype=torch.int32)

@@ -15,7 +15,7 @@ import torch
 from bnb_mps.emulator.library import FLOAT_MODE_ENV, default_float_mode
 from bnb_mps.kernel_args import float32, uint32
 
-from emu_support import ORDERS, load_kernels
+from emu_support import KERNELS, ORDERS, load_kernels
 
 F32 = np.float32
 TINY = F32(2.0**-126)  # the smallest normal float32
@@ -136,3 +136,54 @@ def test_default_mode_is_apple_and_the_environment_switches_it(lib, monkeypatch)
 def test_bad_float_mode_is_a_clear_error(lib):
     with pytest.raises(ValueError, match="float_mode must be 'apple' or 'ieee'"):
         run_mul_add(lib, "IEEE754")
+
+
+def _conversion_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every half bit pattern; float bit patterns with every sign, exponent and top 7 mantissa
+    bits, each with low bits at a rounding boundary (a tie with an even and with an odd kept bit,
+    just below a tie) or random."""
+    h = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    upper = torch.arange(65536, dtype=torch.int64) << 16
+    g = torch.Generator().manual_seed(5)
+    lows = [torch.full((65536,), v, dtype=torch.int64) for v in (0x1000, 0x3000, 0x0FFF)]
+    lows.append(torch.randint(0, 65536, (65536,), dtype=torch.int64, generator=g))
+    f = torch.cat([upper | low for low in lows])
+    f = torch.where(f >= 2**31, f - 2**32, f).to(torch.int32)
+    return h.repeat(len(lows)), f
+
+
+def _convert(lib, mode):
+    h, f = _conversion_inputs()
+    h_to_f, f_to_h = torch.zeros(h.numel(), dtype=torch.int32), torch.zeros(f.numel(), dtype=torch.int16)
+    lib.launch("half_float_conversions", threads=h.numel(), threadgroup=256, args=[h, h_to_f, f, f_to_h],
+               float_mode=mode)  # fmt: skip
+    return h_to_f, f_to_h
+
+
+@pytest.mark.parametrize("mode", ["apple", "ieee"])
+def test_half_conversions_by_instruction_equal_the_library_ones(lib, compiler, monkeypatch, mode):
+    # Kernel modules are built with -mf16c where the CPU has F16C (bnb_mps.emulator.build.isa_flags):
+    # one instruction per conversion instead of a libgcc call. The bits must be the library's, for
+    # every half and the float rounding boundaries, flushing or not.
+    from bnb_mps import emulator
+    from bnb_mps.emulator import build
+
+    if "-mf16c" not in build.isa_flags(build.find_compiler(compiler)):
+        pytest.skip("kernel modules are not built with -mf16c here")
+    monkeypatch.setenv("BNB_MPS_EMU_CXXFLAGS", "-mno-f16c")
+    library_calls = emulator.load(KERNELS / "float_mode.metal", compiler=compiler)
+    h_to_f, f_to_h = _convert(lib, mode)
+    by_library = _convert(library_calls, mode)
+    assert torch.equal(h_to_f, by_library[0]) and torch.equal(f_to_h, by_library[1])
+    # And both are IEEE round-to-nearest-even, against numpy (NaNs compared as NaNs).
+    h, f = _conversion_inputs()
+    want_f = h.numpy().view(np.float16).astype(F32)
+    got_f = h_to_f.numpy().view(F32)
+    assert np.array_equal(np.isnan(got_f), np.isnan(want_f))
+    assert np.array_equal(got_f[~np.isnan(want_f)].view(np.uint32), want_f[~np.isnan(want_f)].view(np.uint32))
+    src = f.numpy().view(F32)
+    with np.errstate(over="ignore"):
+        want_h = (flush(src) if mode == "apple" else src).astype(np.float16)
+    got_h = f_to_h.numpy().view(np.float16)
+    assert np.array_equal(np.isnan(got_h), np.isnan(want_h))
+    assert np.array_equal(got_h[~np.isnan(want_h)].view(np.uint16), want_h[~np.isnan(want_h)].view(np.uint16))

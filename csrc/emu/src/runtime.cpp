@@ -67,28 +67,49 @@ size_t stack_bytes() {
   return s;
 }
 
+// The block a fiber stack lies in (bnb_emu_fiber): a power of two, at least the stack and a guard page.
+size_t stack_align() {
+  static const size_t a = [] {
+    size_t v = page_size();
+    while (v < stack_bytes() + page_size()) v *= 2;
+    return v;
+  }();
+  return a;
+}
+
+// Bytes at the top of a fiber stack that hold its bnb_emu_fiber header.
+constexpr size_t kFiberHeaderBytes = 64;
+static_assert(sizeof(bnb_emu_fiber) <= kFiberHeaderBytes, "the fiber header must fit its slot");
+
 enum LaneState : uint8_t { RUNNABLE, AT_BARRIER, AT_SIMD, DONE, FAULTED };
 
-// A fiber stack with a PROT_NONE guard page below it (stacks grow down).
+// A fiber stack: the top stack_bytes() of a block of stack_align() bytes aligned to its size, the
+// bnb_emu_fiber header in its last bytes (where kernel modules find it from any stack address), and
+// PROT_NONE below (the guard: at least a page). Stacks grow down.
 struct Stack {
-  char* map = nullptr;  // guard page starts here
-  char* lo = nullptr;   // usable stack [lo, lo + size)
+  char* map = nullptr;  // the block; the guard runs from here to lo
+  char* lo = nullptr;   // usable stack [lo, lo + size), the header above it
   size_t size = 0;
+  bnb_emu_fiber* header = nullptr;
   Stack() = default;
   Stack(const Stack&) = delete;
   Stack& operator=(const Stack&) = delete;
-  Stack(Stack&& o) noexcept : map(o.map), lo(o.lo), size(o.size) { o.map = nullptr; }
   ~Stack() {
-    if (map) munmap(map, size + page_size());
+    if (map) munmap(map, stack_align());
   }
-  bool allocate(size_t bytes) {
-    size_t total = bytes + page_size();
-    void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  bool allocate() {
+    const size_t align = stack_align(), bytes = stack_bytes();
+    void* m = mmap(nullptr, 2 * align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) return false;
-    mprotect(m, page_size(), PROT_NONE);
-    map = static_cast<char*>(m);
-    lo = map + page_size();
-    size = bytes;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(m), base = (start + align - 1) & ~uintptr_t(align - 1);
+    if (base > start) munmap(m, base - start);
+    if (base + align < start + 2 * align) munmap(reinterpret_cast<void*>(base + align), start + align - base);
+    char* top = reinterpret_cast<char*>(base + align);
+    map = reinterpret_cast<char*>(base);
+    if (mprotect(top - bytes, bytes, PROT_READ | PROT_WRITE) != 0) return false;
+    lo = top - bytes;
+    size = bytes - kFiberHeaderBytes;
+    header = reinterpret_cast<bnb_emu_fiber*>(top - sizeof(bnb_emu_fiber));
     return true;
   }
 };
@@ -111,6 +132,23 @@ struct Lane {
   Stack* stack = nullptr;
   Worker* worker = nullptr;
   void* asan_fake = nullptr;
+  bnb_emu_fiber* fiber = nullptr;  // the header of its stack
+};
+
+using MatrixOp = bnb_emu_matrix_op;
+
+// A simdgroup's simdgroup_matrix operations since it last synchronised: `pub` is what kernel
+// modules read (bnb_emu_fiber); the storage is kept across threadgroups.
+struct MatrixLog {
+  bnb_emu_matrix_log pub{nullptr, 0};
+  std::vector<MatrixOp> storage;
+  MatrixOp& append() {
+    if (pub.count == storage.size()) {
+      storage.resize(storage.empty() ? 64 : 2 * storage.size());
+      pub.ops = storage.data();
+    }
+    return storage[pub.count++];
+  }
 };
 
 // A fault as recorded where it happens (possibly in a signal handler: no allocation there).
@@ -274,6 +312,7 @@ struct WorkerProfile {
 struct Dispatch {
   const LaunchRequest* req = nullptr;
   std::vector<Binding> bindings;
+  std::vector<void*> buffers;  // bindings[i].dev, for bnb_emu_dispatch
   std::vector<Guard> guards;
   bool misaligned = false;  // some buffer is bound at an address less aligned than its host copy
   uint32_t edge[3] = {0, 0, 0};
@@ -330,8 +369,15 @@ struct Worker {
   volatile bool in_fiber = false;
   Dispatch* d = nullptr;
   std::vector<Lane> lanes;
+  // Lanes [0, lanes_ready) of `lanes` (at lanes_base) have their constant fields and fiber headers
+  // set; 0 after a threadgroup ended in a fault (its lanes' matrix counts were not reset).
+  const Lane* lanes_base = nullptr;
+  uint32_t lanes_ready = 0;
   std::vector<std::unique_ptr<Stack>> stacks;
-  std::vector<uint32_t> order;
+  std::vector<uint32_t> order, sg_order;
+  // The lanes of the running round, in order (run_group), and the next one to run.
+  std::vector<Lane*> round;
+  size_t round_next = 0;
   unsigned char* arena = nullptr;
   size_t arena_used = 0;
   std::vector<Site> sites;
@@ -345,14 +391,19 @@ struct Worker {
   void* asan_sched_bottom = nullptr;
   size_t asan_sched_size = 0;
   WorkerProfile* prof = nullptr;  // set for profiled dispatches
+  // Per simdgroup of the running threadgroup: its simdgroup_matrix operations since it last
+  // synchronised (capacity kept across threadgroups).
+  MatrixLog matrix_log[kMaxThreadsPerGroup / kSimdWidth];
 
   // `arena`: this worker's kMaxThreadgroupMemory bytes of threadgroup memory (owned by the pool,
   // which keeps all workers' arenas in one block: one range for the profiler's window).
   explicit Worker(unsigned char* threadgroup_memory) : arena(threadgroup_memory) {}
 
   bool run_group(uint64_t linear);
-  void resume(Lane& l);
-  bool resolve();
+  void run_round();
+  int resolve_simdgroup(uint32_t sg);
+  bool resolve_barrier();
+  bool matrix_sync(uint32_t sg);
   void race_diff(Lane& l);
   void profile_flush(uint32_t sg);
   void profile_group_done();
@@ -386,15 +437,35 @@ void switch_to_scheduler(Lane* l, bool dying) {
 #endif
 }
 
+// From one lane straight to another (a round hands the worker from lane to lane, see run_group).
+void switch_lane_to_lane(Lane* from, Lane* to, bool dying) {
+#if BNB_EMU_ASAN
+  __sanitizer_start_switch_fiber(dying ? nullptr : &from->asan_fake, to->stack->lo, to->stack->size);
+  context_switch(&from->ctx, &to->ctx);
+  __sanitizer_finish_switch_fiber(from->asan_fake, nullptr, nullptr);
+#else
+  (void)dying;
+  context_switch(&from->ctx, &to->ctx);
+#endif
+}
+
+void yield_lane(Lane* l, bool dying);
+
 void fiber_main(void* arg) {
   Lane* l = static_cast<Lane*>(arg);
 #if BNB_EMU_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, const_cast<const void**>(&l->worker->asan_sched_bottom),
-                                  &l->worker->asan_sched_size);
+  // The first fiber a worker ever runs is entered from its scheduler: remember that stack.
+  const void* bottom = nullptr;
+  size_t size = 0;
+  __sanitizer_finish_switch_fiber(nullptr, &bottom, &size);
+  if (!l->worker->asan_sched_bottom) {
+    l->worker->asan_sched_bottom = const_cast<void*>(bottom);
+    l->worker->asan_sched_size = size;
+  }
 #endif
   l->worker->d->req->fn();
   l->state = DONE;
-  switch_to_scheduler(l, true);
+  yield_lane(l, true);
   std::abort();  // a finished lane is never resumed
 }
 
@@ -481,7 +552,7 @@ void rt_barrier(uint32_t /*flags*/, const char* file, int line) {
   l->state = AT_BARRIER;
   l->file = file;
   l->line = line;
-  switch_to_scheduler(l, false);
+  yield_lane(l, false);
 }
 
 void rt_simd_collective(bnb_emu_resolver fn, const char* what, void* operand, void* result, const char* file,
@@ -495,7 +566,50 @@ void rt_simd_collective(bnb_emu_resolver fn, const char* what, void* operand, vo
   l->result = result;
   l->file = file;
   l->line = line;
-  switch_to_scheduler(l, false);
+  yield_lane(l, false);
+}
+
+bool same_site(const char* file_a, int line_a, const char* file_b, int line_b) {
+  return line_a == line_b && (file_a == file_b || (file_a && file_b && std::strcmp(file_a, file_b) == 0));
+}
+
+// rt_matrix_op's full comparison when the quick one (pointers, bytes) failed: reports an operation
+// that differs from the simdgroup's n-th one (never returns then).
+__attribute__((noinline, cold)) void matrix_op_check(Worker* w, const MatrixOp& op, const char* what, const void* args,
+                                                     size_t size, const char* file, int line) {
+  if (!same_site(op.file, op.line, file, line) || std::strcmp(op.what, what) != 0) {
+    char msg[512];
+    std::snprintf(msg, sizeof msg,
+                  "SIMD-group collective in divergent control flow: this thread is at %s (%s) while lane %u of its "
+                  "simdgroup is at %s (%s)",
+                  what, where(file, line).c_str(), w->lanes[op.lane].pub.thread_index_in_simdgroup, op.what,
+                  where(op.file, op.line).c_str());
+    rt_fail(BNB_EMU_DIVERGENT_COLLECTIVE, msg, file, line);
+  }
+  if (op.size != size || (size && std::memcmp(op.args, args, size) != 0))
+    rt_fail(BNB_EMU_DIVERGENT_COLLECTIVE,
+            "simdgroup_matrix operation with arguments that differ between the lanes of the simdgroup", file, line);
+}
+
+const bnb_emu_lane* rt_matrix_op(const char* what, const void* args, size_t size, const char* file, int line) {
+  Worker* w = t_worker;
+  Lane* l = w->current;
+  MatrixLog& log = w->matrix_log[l->index / kSimdWidth];
+  const uint32_t n = l->fiber->matrix_ops++;
+  if (n < log.pub.count) {  // another lane of the simdgroup ran its n-th operation first: the same one?
+    matrix_op_check(w, log.pub.ops[n], what, args, size, file, line);
+    return &l->pub;
+  }
+  if (size > sizeof(MatrixOp::args))
+    rt_fail(BNB_EMU_KERNEL_ERROR, "simdgroup_matrix operation: arguments too large", file, line);
+  MatrixOp& op = log.append();
+  op.what = what;
+  op.file = file;
+  op.line = line;
+  op.lane = l->index;
+  op.size = uint32_t(size);
+  if (size) std::memcpy(op.args, args, size);
+  return &l->pub;
 }
 
 const Site* site_of(Worker* w, size_t off) {
@@ -575,12 +689,15 @@ void rt_profile_mute(int on) {
 
 // The profiler's window (bnb_emu_profile_window), set by Pool::run for the dispatch it runs.
 volatile bnb_emu_profile_window g_window = {0, 0, 0, 0};
+// The running dispatch's buffers (bnb_emu_dispatch), set by Pool::run.
+bnb_emu_dispatch g_dispatch = {nullptr, 0};
 
 const bnb_emu_runtime g_table = {
     BNB_EMU_ABI_VERSION,  rt_lane,    rt_buffer,
     rt_threadgroup_alloc, rt_barrier, rt_simd_collective,
     rt_threadgroup_access, rt_fail, rt_profile_access,
-    rt_profile_mute,      &g_window,
+    rt_profile_mute,      &g_window,   rt_matrix_op,
+    &g_dispatch,           stack_align(),
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -687,13 +804,32 @@ void Worker::profile_group_done() {
   r.threadgroup_memory_max = std::max<uint64_t>(r.threadgroup_memory_max, arena_used);
 }
 
-void Worker::resume(Lane& l) {
-  current = &l;
+// Runs the lanes of `round` in order: the scheduler switches to the first; each lane, when it stops
+// (a yield point, or it returns), switches straight to the next (yield_lane), the last back to the
+// scheduler. One context switch per lane and turn instead of two, and each switch returns to the
+// same call site, which the CPU predicts.
+void Worker::run_round() {
+  round_next = 1;
+  current = round[0];
   in_fiber = true;
-  switch_to_lane(this, &l);
+  switch_to_lane(this, round[0]);
   in_fiber = false;
   current = nullptr;
-  if (d->req->race_check && l.state != FAULTED && !has_pending) race_diff(l);
+}
+
+// The end of lane `l`'s turn (it waits at a yield point, or `dying`: it returned): the race checker
+// attributes what it wrote, then the worker goes to the round's next lane, or back to the scheduler
+// after the last one or a fault.
+void yield_lane(Lane* l, bool dying) {
+  Worker* w = l->worker;
+  if (w->d->req->race_check && !w->has_pending) w->race_diff(*l);
+  if (!w->has_pending && w->round_next < w->round.size()) {
+    Lane* next = w->round[w->round_next++];
+    w->current = next;
+    switch_lane_to_lane(l, next, dying);
+  } else {
+    switch_to_scheduler(l, dying);
+  }
 }
 
 // Attributes every byte of threadgroup memory that changed while lane `l` ran to that lane.
@@ -735,73 +871,112 @@ void Worker::race_diff(Lane& l) {
   }
 }
 
-// Called when no lane can run. Returns false on a fault (recorded in `pending`).
-bool Worker::resolve() {
-  bool progressed = false;
-  uint32_t nsg = (nlanes + kSimdWidth - 1) / kSimdWidth;
-  for (uint32_t sg = 0; sg < nsg; ++sg) {
-    uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
-    Lane* first = nullptr;
-    Lane* barrier = nullptr;
-    uint32_t mask = 0;
-    void* ops[kSimdWidth] = {nullptr};
-    void* res[kSimdWidth] = {nullptr};
-    for (uint32_t i = lo; i < hi; ++i) {
-      Lane& l = lanes[i];
-      if (l.state == AT_SIMD) {
-        if (!first) {
-          first = &l;
-        } else if (l.resolver != first->resolver || l.line != first->line ||
-                   (l.file != first->file && std::strcmp(l.file, first->file) != 0)) {
-          fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, &l, l.file, l.line,
-                               "SIMD-group collective in divergent control flow: this thread is at %s (%s) while "
-                               "lane %u of its simdgroup is at %s (%s)",
-                               l.what, where(l.file, l.line).c_str(), first->pub.thread_index_in_simdgroup,
-                               first->what, where(first->file, first->line).c_str());
-          return false;
-        }
-        mask |= 1u << (i - lo);
-        ops[i - lo] = l.operand;
-        res[i - lo] = l.result;
-      } else if (l.state == AT_BARRIER && !barrier) {
-        barrier = &l;
-      }
+// At a synchronisation of simdgroup `sg` (a SIMD-group collective, a threadgroup barrier, the end
+// of the threadgroup): every lane of it must have run the simdgroup_matrix operations logged since
+// the last one (rt_matrix_op compared each as it ran). Returns false on a fault.
+bool Worker::matrix_sync(uint32_t sg) {
+  MatrixLog& log = matrix_log[sg];
+  if (log.pub.count == 0) return true;
+  const uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+  for (uint32_t i = lo; i < hi; ++i) {
+    const Lane& l = lanes[i];
+    if (l.fiber->matrix_ops == log.pub.count) continue;
+    const MatrixOp& op = log.pub.ops[l.fiber->matrix_ops];  // the first operation this lane did not run
+    const Lane* ran = &lanes[op.lane];
+    char pos[300];
+    format_position(pos, sizeof pos, l.pub);
+    if (l.state == DONE) {
+      fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, ran, op.file, op.line,
+                           "SIMD-group collective in divergent control flow: this thread is at %s (%s) but a "
+                           "thread of its simdgroup has returned without reaching it (%s)",
+                           op.what, where(op.file, op.line).c_str(), pos);
+    } else {
+      fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, ran, op.file, op.line,
+                           "SIMD-group collective in divergent control flow: this thread is at %s (%s) while lane %u "
+                           "of its simdgroup is at %s (%s) without having reached it",
+                           op.what, where(op.file, op.line).c_str(), l.pub.thread_index_in_simdgroup,
+                           l.state == AT_BARRIER ? "threadgroup_barrier" : l.what, where(l.file, l.line).c_str());
     }
-    if (!first) continue;
-    // The project's kernels keep SIMD collectives in simdgroup-uniform control flow: every lane
-    // that exists reaches each one. (Metal itself would run it over the remaining active lanes,
-    // which hides `if (...) x = simd_sum(x);` and early returns before a collective.)
-    for (uint32_t i = lo; i < hi; ++i) {
-      if (lanes[i].state == DONE) {
-        char pos[300];
-        format_position(pos, sizeof pos, lanes[i].pub);
-        fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
-                             "SIMD-group collective in divergent control flow: this thread is at %s (%s) but a "
-                             "thread of its simdgroup has returned without reaching it (%s)",
-                             first->what, where(first->file, first->line).c_str(), pos);
-        return false;
-      }
-    }
-    if (barrier) {
-      fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
-                           "SIMD-group collective in divergent control flow: this thread is at %s while lane %u of "
-                           "its simdgroup waits at threadgroup_barrier (%s)",
-                           first->what, barrier->pub.thread_index_in_simdgroup,
-                           where(barrier->file, barrier->line).c_str());
-      return false;
-    }
-    if (prof) {
-      profile_flush(sg);
-      ++prof->r.collectives;
-    }
-    if (first->resolver) first->resolver(ops, res, mask);
-    for (uint32_t i = lo; i < hi; ++i)
-      if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
-    ++race.sg_epoch[sg];
-    progressed = true;
+    return false;
   }
-  if (progressed) return true;
+  log.pub.count = 0;
+  for (uint32_t i = lo; i < hi; ++i) lanes[i].fiber->matrix_ops = 0;
+  return true;
+}
 
+// Called when no lane of simdgroup `sg` can run: resolves the collective its lanes wait at, if they
+// all do. Returns 1 if it did (the lanes can run again), 0 if they wait at no collective (at a
+// barrier, or done), -1 on a fault (recorded in `pending`).
+int Worker::resolve_simdgroup(uint32_t sg) {
+  uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+  Lane* first = nullptr;
+  Lane* barrier = nullptr;
+  for (uint32_t i = lo; i < hi; ++i) {
+    Lane& l = lanes[i];
+    if (l.state == AT_SIMD) {
+      if (!first) {
+        first = &l;
+      } else if (l.resolver != first->resolver || l.line != first->line ||
+                 (l.file != first->file && std::strcmp(l.file, first->file) != 0)) {
+        fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, &l, l.file, l.line,
+                             "SIMD-group collective in divergent control flow: this thread is at %s (%s) while "
+                             "lane %u of its simdgroup is at %s (%s)",
+                             l.what, where(l.file, l.line).c_str(), first->pub.thread_index_in_simdgroup,
+                             first->what, where(first->file, first->line).c_str());
+        return -1;
+      }
+    } else if (l.state == AT_BARRIER && !barrier) {
+      barrier = &l;
+    }
+  }
+  if (!first) return 0;
+  // The project's kernels keep SIMD collectives in simdgroup-uniform control flow: every lane
+  // that exists reaches each one. (Metal itself would run it over the remaining active lanes,
+  // which hides `if (...) x = simd_sum(x);` and early returns before a collective.)
+  for (uint32_t i = lo; i < hi; ++i) {
+    if (lanes[i].state == DONE) {
+      char pos[300];
+      format_position(pos, sizeof pos, lanes[i].pub);
+      fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
+                           "SIMD-group collective in divergent control flow: this thread is at %s (%s) but a "
+                           "thread of its simdgroup has returned without reaching it (%s)",
+                           first->what, where(first->file, first->line).c_str(), pos);
+      return -1;
+    }
+  }
+  if (barrier) {
+    fault_from_scheduler(BNB_EMU_DIVERGENT_COLLECTIVE, first, first->file, first->line,
+                         "SIMD-group collective in divergent control flow: this thread is at %s while lane %u of "
+                         "its simdgroup waits at threadgroup_barrier (%s)",
+                         first->what, barrier->pub.thread_index_in_simdgroup,
+                         where(barrier->file, barrier->line).c_str());
+    return -1;
+  }
+  if (!matrix_sync(sg)) return -1;
+  if (prof) {
+    profile_flush(sg);
+    ++prof->r.collectives;
+  }
+  uint32_t mask = 0;
+  void* ops[kSimdWidth] = {nullptr};
+  void* res[kSimdWidth] = {nullptr};
+  for (uint32_t i = lo; i < hi; ++i)
+    if (lanes[i].state == AT_SIMD) {
+      mask |= 1u << (i - lo);
+      ops[i - lo] = lanes[i].operand;
+      res[i - lo] = lanes[i].result;
+    }
+  if (first->resolver) first->resolver(ops, res, mask);
+  for (uint32_t i = lo; i < hi; ++i)
+    if (lanes[i].state == AT_SIMD) lanes[i].state = RUNNABLE;
+  ++race.sg_epoch[sg];
+  return 1;
+}
+
+// Called when no lane of the threadgroup can run and none waits at a collective: releases the
+// threadgroup barrier they all wait at. Returns false on a fault (recorded in `pending`).
+bool Worker::resolve_barrier() {
+  const uint32_t nsg = nsg_of(nlanes);
   // Every lane left is at a threadgroup barrier: all must be at the same one, and none may have
   // exited (Metal requires every thread of the threadgroup to reach each barrier).
   Lane* first = nullptr;
@@ -834,6 +1009,8 @@ bool Worker::resolve() {
                          where(first->file, first->line).c_str(), pos);
     return false;
   }
+  for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg)
+    if (!matrix_sync(sg)) return false;
   if (prof) {
     for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg) profile_flush(sg);
     ++prof->group_barriers;
@@ -859,44 +1036,67 @@ bool Worker::run_group(uint64_t linear) {
   if (lanes.size() < nlanes) lanes.resize(nlanes);
   while (stacks.size() < nlanes) {
     auto s = std::make_unique<Stack>();
-    if (!s->allocate(stack_bytes())) {
+    if (!s->allocate()) {
       fault_from_scheduler(BNB_EMU_KERNEL_ERROR, nullptr, nullptr, 0, "cannot allocate fiber stacks");
       return false;
     }
     stacks.push_back(std::move(s));
   }
   uint32_t nsg = (nlanes + kSimdWidth - 1) / kSimdWidth;
+  if (lanes_base != lanes.data()) {  // the Lane objects moved: their fiber headers point at the old ones
+    lanes_base = lanes.data();
+    lanes_ready = 0;
+  }
+  // What every lane of the threadgroup shares, then each lane's own position.
+  bnb_emu_lane shared{};
+  for (int k = 0; k < 3; ++k) {
+    shared.threadgroup_position_in_grid[k] = g[k];
+    shared.threads_per_threadgroup[k] = size[k];
+    shared.dispatch_threads_per_threadgroup[k] = q.group_size[k];
+    shared.threadgroups_per_grid[k] = q.groups[k];
+    shared.threads_per_grid[k] = q.threads[k];
+  }
+  shared.threads_per_simdgroup = kSimdWidth;
+  shared.simdgroups_per_threadgroup = nsg;
+  uint32_t t[3] = {0, 0, 0};  // thread_position_in_threadgroup of lane i
   for (uint32_t i = 0; i < nlanes; ++i) {
     Lane& l = lanes[i];
-    l.index = i;
-    l.worker = this;
-    l.stack = stacks[i].get();
+    if (i >= lanes_ready) {  // (the same for every threadgroup that has this lane)
+      l.index = i;
+      l.worker = this;
+      l.stack = stacks[i].get();
+      l.fiber = l.stack->header;
+      l.fiber->lane = &l.pub;
+      l.fiber->matrix_log = &matrix_log[i / kSimdWidth].pub;
+      l.fiber->matrix_ops = 0;  // (then back to 0 at each synchronisation: matrix_sync)
+    }
     l.state = RUNNABLE;
     bnb_emu_lane& p = l.pub;
-    uint32_t t[3] = {i % size[0], (i / size[0]) % size[1], i / (size[0] * size[1])};
+    p = shared;
     for (int k = 0; k < 3; ++k) {
       p.thread_position_in_threadgroup[k] = t[k];
-      p.threadgroup_position_in_grid[k] = g[k];
-      p.threads_per_threadgroup[k] = size[k];
-      p.dispatch_threads_per_threadgroup[k] = q.group_size[k];
-      p.threadgroups_per_grid[k] = q.groups[k];
-      p.threads_per_grid[k] = q.threads[k];
       p.thread_position_in_grid[k] = g[k] * q.group_size[k] + t[k];
+    }
+    if (++t[0] == size[0]) {
+      t[0] = 0;
+      if (++t[1] == size[1]) {
+        t[1] = 0;
+        ++t[2];
+      }
     }
     p.thread_index_in_threadgroup = i;
     p.thread_index_in_simdgroup = i % kSimdWidth;
     p.simdgroup_index_in_threadgroup = i / kSimdWidth;
-    p.threads_per_simdgroup = kSimdWidth;
-    p.simdgroups_per_threadgroup = nsg;
     p.lanes_in_simdgroup = std::min(kSimdWidth, nlanes - (i / kSimdWidth) * kSimdWidth);
-    // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
-    // unstaggered tops would all compete for the same few cache sets.
 #if BNB_EMU_ASAN
     // Frames of fibers that never returned (finished or abandoned) leave poisoned redzones.
     __asan_unpoison_memory_region(l.stack->lo, l.stack->size);
 #endif
+    // Stagger the stack tops ("cache colouring"): stacks are a whole number of pages apart, so
+    // unstaggered tops would all compete for the same few cache sets.
     context_init(&l.ctx, l.stack->lo, l.stack->size - (i % 61) * 64, fiber_main, &l);
   }
+  lanes_ready = std::max(lanes_ready, nlanes);
   if (q.race_check) {
     race.init();
     race.clear(kMaxThreadgroupMemory);
@@ -904,8 +1104,17 @@ bool Worker::run_group(uint64_t linear) {
   }
   arena_used = 0;
   sites.clear();
+  for (uint32_t sg = 0; sg < nsg; ++sg) matrix_log[sg].pub.count = 0;
+  // The order of the simdgroups, and of the lanes within each (order[lo, hi) permutes the lanes of
+  // the simdgroup [lo, hi)): forward, reverse, or shuffled before each pass and round (random).
+  const bool reverse = q.order == LaneOrder::Reverse, random = q.order == LaneOrder::Random;
   order.resize(nlanes);
-  for (uint32_t i = 0; i < nlanes; ++i) order[i] = q.order == LaneOrder::Reverse ? nlanes - 1 - i : i;
+  for (uint32_t i = 0; i < nlanes; ++i) {
+    const uint32_t lo = i / kSimdWidth * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+    order[i] = reverse ? lo + hi - 1 - i : i;
+  }
+  sg_order.resize(nsg);
+  for (uint32_t sg = 0; sg < nsg; ++sg) sg_order[sg] = reverse ? nsg - 1 - sg : sg;
   rng = q.seed * 0x2545F4914F6CDD1Dull + linear;
   if (prof) {
     ++prof->token;
@@ -915,26 +1124,45 @@ bool Worker::run_group(uint64_t linear) {
     for (uint32_t i = 0; i < nlanes; ++i) prof->accesses[i].clear();
   }
 
+  // Passes over the simdgroups until every lane is done. In a pass each simdgroup runs until none
+  // of its lanes can run: rounds of its runnable lanes, each followed by the SIMD-group collective
+  // they then all wait at. Simdgroups need each other only at threadgroup barriers, released
+  // between passes; running one at a time keeps the stacks of 32 lanes, not of the whole
+  // threadgroup, in the CPU's caches.
   for (;;) {
-    if (q.order == LaneOrder::Random)
-      for (uint32_t i = nlanes; i > 1; --i) std::swap(order[i - 1], order[splitmix(rng) % i]);
+    if (random)
+      for (uint32_t i = nsg; i > 1; --i) std::swap(sg_order[i - 1], sg_order[splitmix(rng) % i]);
     bool any = false;
-    for (uint32_t k = 0; k < nlanes; ++k) {
-      Lane& l = lanes[order[k]];
-      if (l.state != RUNNABLE) continue;
-      any = true;
-      resume(l);
-      if (has_pending) return false;
+    for (uint32_t sg : sg_order) {
+      const uint32_t lo = sg * kSimdWidth, hi = std::min(lo + kSimdWidth, nlanes);
+      for (;;) {
+        if (random)
+          for (uint32_t i = hi - lo; i > 1; --i) std::swap(order[lo + i - 1], order[lo + splitmix(rng) % i]);
+        round.clear();
+        for (uint32_t k = lo; k < hi; ++k) {
+          Lane& l = lanes[order[k]];
+          if (l.state == RUNNABLE) round.push_back(&l);
+        }
+        if (round.empty()) break;
+        any = true;
+        run_round();
+        if (has_pending) return false;
+        const int resolved = resolve_simdgroup(sg);
+        if (resolved < 0) return false;
+        if (resolved == 0) break;
+      }
     }
     if (!any) {
       bool all_done = true;
       for (uint32_t i = 0; i < nlanes && all_done; ++i) all_done = lanes[i].state == DONE;
       if (all_done) {
+        for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg)
+          if (!matrix_sync(sg)) return false;
         if (prof) profile_group_done();
         return true;
       }
     }
-    if (!resolve()) return false;
+    if (!resolve_barrier()) return false;
   }
 }
 
@@ -1003,6 +1231,8 @@ class Pool {
       g_window.threadgroup_lo = window->threadgroup_lo;
       g_window.threadgroup_size = window->threadgroup_size;
     }
+    g_dispatch.buffers = d->buffers.data();
+    g_dispatch.buffer_count = uint32_t(d->buffers.size());
     std::unique_lock<std::mutex> lk(mu_);
     job_ = d;
     active_ = size();
@@ -1010,6 +1240,8 @@ class Pool {
     cv_.notify_all();
     done_cv_.wait(lk, [&] { return active_ == 0; });
     job_ = nullptr;
+    g_dispatch.buffers = nullptr;
+    g_dispatch.buffer_count = 0;
     g_window.buffers_size = 0;
     g_window.threadgroup_size = 0;
   }
@@ -1042,19 +1274,28 @@ class Pool {
         if (slot < d->profiles.size()) w.prof = d->profiles[slot].get();
       }
       FloatModeScope float_mode(d->req->flush_subnormals);
-      for (;;) {
-        if (d->failed.load(std::memory_order_relaxed)) break;
-        uint64_t i = d->next.fetch_add(1, std::memory_order_relaxed);
-        if (i >= d->total_groups) break;
-        w.has_pending = false;
-        if (!w.run_group(i)) {
-          std::lock_guard<std::mutex> lk(d->mu);
-          if (!d->have_fault) {
-            d->have_fault = true;
-            d->fault = w.pending;
+      // Threadgroups are claimed a few at a time (chunk: a 16th of each worker's share, at most
+      // 64), so that the workers rarely meet on the shared counter.
+      const uint64_t chunk = std::max<uint64_t>(1, std::min<uint64_t>(64, d->total_groups / (16 * size())));
+      for (bool running = true; running;) {
+        const uint64_t first = d->next.fetch_add(chunk, std::memory_order_relaxed);
+        for (uint64_t i = first; i < first + chunk; ++i) {
+          if (i >= d->total_groups || d->failed.load(std::memory_order_relaxed)) {
+            running = false;
+            break;
           }
-          d->failed.store(true);
-          break;
+          w.has_pending = false;
+          if (!w.run_group(i)) {
+            w.lanes_ready = 0;
+            std::lock_guard<std::mutex> lk(d->mu);
+            if (!d->have_fault) {
+              d->have_fault = true;
+              d->fault = w.pending;
+            }
+            d->failed.store(true);
+            running = false;
+            break;
+          }
         }
       }
       w.d = nullptr;
@@ -1201,6 +1442,8 @@ bool bind_buffers(const LaunchRequest& q, Dispatch& d, GuardedMemory& gm, bool a
       if (b.size == 0) d.bindings[size_t(a)].dev = guard;  // any access to an empty buffer faults
     }
   }
+  d.buffers.clear();
+  for (const Binding& b : d.bindings) d.buffers.push_back(b.dev);
   return true;
 }
 

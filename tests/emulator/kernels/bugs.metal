@@ -158,3 +158,64 @@ kernel void simd_in_a_branch(device float* out [[buffer(0)]],
   }
   out[tid] = v;
 }
+
+// simdgroup_matrix operations in lane-dependent control flow: half the lanes load, all store.
+kernel void matrix_in_a_branch(device const float* in [[buffer(0)]],
+                               device float* out [[buffer(1)]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  if (lane < 16) {
+    simdgroup_load(m, in, 8);
+  }
+  simdgroup_store(m, out, 8);
+}
+
+// A simdgroup_load whose address depends on the lane.
+kernel void matrix_lane_address(device const float* in [[buffer(0)]],
+                                device float* out [[buffer(1)]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, in + (lane & 1u), 8);
+  simdgroup_store(m, out, 8);
+}
+
+// Half the lanes load twice, then the simdgroup meets at a simd_sum.
+kernel void matrix_count_mismatch(device const float* in [[buffer(0)]],
+                                  device float* out [[buffer(1)]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, in, 8);
+  if (lane < 16) {
+    simdgroup_load(m, in + 64, 8);
+  }
+  const float s = simd_sum(1.0f);
+  simdgroup_store(m, out, 8);
+  out[64 + lane] = s;
+}
+
+// Lanes past the first 16 return before a multiply-accumulate the others run.
+kernel void matrix_after_return(device const float* in [[buffer(0)]],
+                                device float* out [[buffer(1)]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  if (lane >= 16) {
+    return;
+  }
+  simdgroup_float8x8 a;
+  simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_load(a, in, 8);
+  simdgroup_multiply_accumulate(acc, a, a, acc);
+  simdgroup_store(acc, out, 8);
+}
+
+// Each lane writes two elements of a tile (those that another lane then stores), and the
+// simdgroup loads the tile with no barrier in between: other lanes' elements may not be written.
+kernel void matrix_missing_barrier(device const float* in [[buffer(0)]],
+                                   device float* out [[buffer(1)]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float tile[64];
+  tile[63u - 2u * lane] = in[63u - 2u * lane];
+  tile[62u - 2u * lane] = in[62u - 2u * lane];
+  simdgroup_float8x8 m;
+  simdgroup_load(m, tile, 8);
+  simdgroup_store(m, out, 8);
+}

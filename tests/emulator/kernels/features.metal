@@ -256,3 +256,42 @@ BNB_KERNEL_INSTANTIATE("scale_by_f32", scale_by, float)
 template [[host_name("scale_by_f16")]] [[kernel]] void scale_by<half>(device half* x [[buffer(0)]],
                                                                       constant float& s [[buffer(1)]],
                                                                       uint gid [[thread_position_in_grid]]);
+
+// simdgroup_matrix in each form the emulator keeps a matrix in (csrc/emu/include/bnb_emu/sync.h):
+// loaded plain and transposed (half), a product's result (each lane holds its share) used as the
+// left operand of another product (completed from the lanes' shares), a default-constructed
+// accumulator (zero), stores plain and transposed to device memory. One simdgroup of 32 threads,
+// or fewer (a partial simdgroup, whose lanes also own the missing lanes' shares).
+//   d = A * B^T, e = (A * B^T) * C stored transposed, z = a default-constructed matrix.
+kernel void sg_matrix_forms(device const half* a [[buffer(0)]],
+                            device const half* b [[buffer(1)]],
+                            device const float* c [[buffer(2)]],
+                            device float* d_out [[buffer(3)]],
+                            device float* e_out [[buffer(4)]],
+                            device float* z_out [[buffer(5)]],
+                            uint tid [[thread_index_in_threadgroup]],
+                            uint threads [[threads_per_threadgroup]]) {
+  threadgroup half ta[64];
+  threadgroup half tb[64];
+  threadgroup float tc[64];
+  for (uint i = tid; i < 64; i += threads) {
+    ta[i] = a[i];
+    tb[i] = b[i];
+    tc[i] = c[i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_half8x8 ma;
+  simdgroup_half8x8 mb;
+  simdgroup_float8x8 mc;
+  simdgroup_float8x8 d;
+  simdgroup_float8x8 e;
+  simdgroup_float8x8 z;
+  simdgroup_load(ma, ta, 8);
+  simdgroup_load(mb, tb, 8, ulong2(0, 0), true);
+  simdgroup_load(mc, tc, 8);
+  simdgroup_multiply(d, ma, mb);
+  simdgroup_multiply_accumulate(e, d, mc, z);
+  simdgroup_store(d, d_out, 8);
+  simdgroup_store(e, e_out, 8, ulong2(0, 0), true);
+  simdgroup_store(z, z_out, 8);
+}

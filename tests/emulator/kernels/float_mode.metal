@@ -49,3 +49,12 @@ kernel void f32_simd_sum(device const float* a [[buffer(0)]], device float* sums
         sums[i / 32u] = s;
     }
 }
+
+// The conversions between half and float: h_to_f[i] = float(half bits h[i]), f_to_h[i] =
+// half(float bits f[i]), as bit patterns.
+kernel void half_float_conversions(device const ushort* h [[buffer(0)]], device uint* h_to_f [[buffer(1)]],
+                                   device const uint* f [[buffer(2)]], device ushort* f_to_h [[buffer(3)]],
+                                   uint i [[thread_position_in_grid]]) {
+    h_to_f[i] = as_type<uint>(float(as_type<half>(h[i])));
+    f_to_h[i] = as_type<ushort>(half(as_type<float>(f[i])));
+}

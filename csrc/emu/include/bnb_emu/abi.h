@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BNB_EMU_ABI_VERSION 5
+#define BNB_EMU_ABI_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -75,11 +75,49 @@ typedef struct bnb_emu_profile_window {
   uintptr_t threadgroup_lo, threadgroup_size; /* spans every worker's threadgroup memory */
 } bnb_emu_profile_window;
 
+/* A simdgroup_matrix operation (load, store, multiply) as the first lane of its simdgroup to run it
+ * logged it; the other lanes' n-th operation must be the same (see bnb_emu_fiber). */
+typedef struct bnb_emu_matrix_op {
+  const char* what;
+  const char* file;
+  int32_t line;
+  uint32_t lane; /* thread_index_in_threadgroup of the lane that logged it */
+  uint32_t size; /* bytes of args */
+  unsigned char args[44];
+} bnb_emu_matrix_op;
+
+/* A simdgroup's simdgroup_matrix operations since it last synchronised (a SIMD-group function, a
+ * threadgroup barrier). */
+typedef struct bnb_emu_matrix_log {
+  bnb_emu_matrix_op* ops;
+  uint32_t count;
+} bnb_emu_matrix_log;
+
+/* What a simulated thread keeps at the top of its fiber stack, where kernel modules find it without
+ * a call: every fiber stack lies in a block of `stack_align` bytes (a power of two) aligned to its
+ * size, and this header fills the block's last bytes, so that for any address p on the stack the
+ * header is at ((p | (stack_align - 1)) + 1) - sizeof(bnb_emu_fiber). */
+typedef struct bnb_emu_fiber {
+  const bnb_emu_lane* lane;
+  bnb_emu_matrix_log* matrix_log; /* its simdgroup's */
+  uint32_t matrix_ops;            /* how many operations of matrix_log this lane has run */
+  uint32_t reserved;
+} bnb_emu_fiber;
+
+/* The running dispatch's buffers, read by kernel modules without a call (dispatches run one at a
+ * time per process): buffers[i] is the address of [[buffer(i)]] for i < buffer_count. Set before
+ * the worker threads start a dispatch and cleared after it. */
+typedef struct bnb_emu_dispatch {
+  void* const* buffers;
+  uint32_t buffer_count;
+} bnb_emu_dispatch;
+
 typedef struct bnb_emu_runtime {
   uint32_t abi_version;
   /* The calling simulated thread. */
   const bnb_emu_lane* (*lane)(void);
-  /* Address of [[buffer(index)]]; reports UnboundBuffer (never returns) if nothing is bound. */
+  /* Address of [[buffer(index)]]; reports UnboundBuffer (never returns) if nothing is bound (modules
+   * read bound buffers from `dispatch` and call this for the others). */
   void* (*buffer)(uint32_t index, const char* file, int line);
   /* Threadgroup storage for one declaration site, shared by the threadgroup: the first lane to
    * arrive allocates it and fills it with the poison byte. */
@@ -100,6 +138,15 @@ typedef struct bnb_emu_runtime {
   /* Profiler: while muted (on != 0), the calling lane's accesses are not recorded unless FORCED. */
   void (*profile_mute)(int on);
   const volatile bnb_emu_profile_window* profile_window;
+  /* A simdgroup_matrix load, store or multiply of the calling lane that is not the simdgroup's
+   * matrix_log->ops[matrix_ops] (kernel modules compare first, see bnb_emu_fiber): logs it when no
+   * other lane of the simdgroup has run that many operations since it last synchronised, else
+   * compares it in full (the same `what`, file and line, and the same `size` bytes of `args`) and
+   * reports a DivergentCollective (never returns then) when they differ. Counts it in matrix_ops.
+   * Not a yield point. Returns the calling lane. */
+  const bnb_emu_lane* (*matrix_op)(const char* what, const void* args, size_t size, const char* file, int line);
+  const bnb_emu_dispatch* dispatch;
+  uintptr_t stack_align; /* see bnb_emu_fiber */
 } bnb_emu_runtime;
 
 typedef void (*bnb_emu_kernel_fn)(void);

@@ -34,7 +34,11 @@ struct buffer_binding {
   uint32_t index;
   const char* file;
   int line;
-  buffer_value operator[](no_index_t) const { return buffer_value{rt->buffer(index, file, line)}; }
+  __attribute__((always_inline)) buffer_value operator[](no_index_t) const {
+    const bnb_emu_dispatch* d = rt->dispatch;
+    if (index < d->buffer_count) return buffer_value{d->buffers[index]};
+    return buffer_value{rt->buffer(index, file, line)};  // reports the unbound buffer
+  }
 };
 
 // A position attribute: converts to uint/ushort and their 2- and 3-component vectors.

@@ -7,13 +7,23 @@
 #include "abi.h"
 #include "math.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>  // one instruction for 8 half -> float conversions (simdgroup_matrix rows)
+#endif
+
 namespace metal {
 namespace emu {
 
 // Set by bnb_emu_module_init when the runtime loads this module.
 inline const bnb_emu_runtime* rt = nullptr;
 
-inline const bnb_emu_lane& lane() { return *rt->lane(); }
+// The calling simulated thread's header, at the top of its fiber stack (bnb_emu_fiber): found from
+// the address of the current frame, without a call. Only kernel code running in a lane may ask.
+inline bnb_emu_fiber& fiber() {
+  const uintptr_t frame = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  return *reinterpret_cast<bnb_emu_fiber*>(((frame | (rt->stack_align - 1)) + 1) - sizeof(bnb_emu_fiber));
+}
+inline const bnb_emu_lane& lane() { return *fiber().lane; }
 
 inline void threadgroup_touch(const volatile void* p, size_t n, int kind) {
 #if BNB_EMU_RACE_CHECK
@@ -294,15 +304,50 @@ inline bool simd_is_first(BNB_EMU_SITE) {
   return emu::collective<emu::is_first, bool>("simd_is_first", 0, file, line);
 }
 
-// --- simdgroup_matrix: every lane holds the whole 8x8 matrix; operations are collectives --------
+// --- simdgroup_matrix ---------------------------------------------------------------------------
+// On the GPU each lane holds a share of a simdgroup_matrix (two elements of an 8x8). Here lane L's
+// share is, in row-major order, elements E*L .. E*L + E - 1 (E = R*C/32, rounded up; in a
+// simdgroup of n < 32 lanes, lane L also owns the shares of lanes L + n, L + 2n, ...): the model of
+// the profiler (profile_matrix_share). Each lane keeps an R x C array, of which:
+//   - after the default constructor, no element is written yet: the matrix is zero (`kZero`), and
+//     its elements are written as zeros only where it is used before it is loaded (kernels declare
+//     operands in their loops and load them right away);
+//   - after simdgroup_load, make_filled_simdgroup_matrix or the diagonal constructor, every element
+//     is valid (`kFull`): each lane read every element. A square matrix loaded with transpose is
+//     kept as it lies in memory, rows copied whole, and read transposed (`transposed`);
+//   - after simdgroup_multiply(_accumulate), only the lane's share is (`kShare`): the lane computed its
+//     elements of the result, each accumulated in float in k order. That is all a later product
+//     needs of an accumulator and all simdgroup_store writes (each lane its share). A product whose
+//     left or right operand is such a result first completes it from the other lanes' shares (a
+//     SIMD-group collective, `gather`).
+// Load, store and multiply need nothing from other lanes, so (outside profiling builds) they are
+// not yield points: a lane runs through a chain of them without a fiber switch, and the product is
+// computed 2 elements per lane instead of 64. What the collectives used to check is checked by the
+// runtime instead (rt->matrix_op): every lane of a simdgroup must run the same operations, at the
+// same place, with the same arguments (address, stride, origin, transpose), in the same order: a
+// lane's n-th operation since its simdgroup last synchronised is compared with the n-th one the
+// first lane there logged, and at the next synchronisation (a SIMD-group function, a threadgroup
+// barrier, the end of the threadgroup) every lane must have run as many. As Metal requires, what
+// other lanes wrote is visible to a simdgroup_load, and a simdgroup_store's other shares are
+// visible to a lane, only after a barrier (simdgroup_barrier or threadgroup_barrier).
+// Profiling builds keep every operation a SIMD-group collective, as before: the profiler counts
+// collectives and forms SIMD-group memory instructions between synchronisations.
 
+namespace emu {
+enum matrix_state : unsigned char { kZero, kFull, kShare };
+}
 template <class T, int Cols, int Rows>
 struct simdgroup_matrix {
-  T m[Rows][Cols];
-  simdgroup_matrix() : m{} {}
-  explicit simdgroup_matrix(T diagonal) : m{} {
+  // Mutable: a kZero operand is written as zeros where it is first used (emu::materialize), which
+  // does not change its value.
+  mutable T m[Rows][Cols];
+  mutable emu::matrix_state state = emu::kZero;
+  bool transposed = false;  // element (i, j) is m[j][i] (square matrices only)
+  simdgroup_matrix() {}
+  explicit simdgroup_matrix(T diagonal) : m{}, state(emu::kFull) {
     for (int i = 0; i < Rows && i < Cols; ++i) m[i][i] = diagonal;
   }
+  T& at(int i, int j) const { return transposed ? m[j][i] : m[i][j]; }
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
@@ -313,6 +358,7 @@ inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
   simdgroup_matrix<T, Cols, Rows> r;
   for (int i = 0; i < Rows; ++i)
     for (int j = 0; j < Cols; ++j) r.m[i][j] = value;
+  r.state = emu::kFull;
   return r;
 }
 
@@ -332,7 +378,167 @@ inline void check_uniform(const char* what, const matrix_access& a, const char* 
              "simdgroup_matrix operation with arguments that differ between the lanes of the simdgroup", file,
              line);
 }
-// What a simdgroup_load / simdgroup_store moves, for the profiler: every lane here copies the
+// A simdgroup_matrix operation of the calling lane (`access`: a load's or store's arguments).
+// Returns the lane.
+inline const bnb_emu_lane& matrix_op(const char* what, const matrix_access* access, const char* file, int line) {
+#if BNB_EMU_PROFILE
+  if (access)
+    check_uniform(what, *access, file, line);
+  else
+    collective<rendezvous, char>(what, 0, file, line);
+  return lane();
+#else
+  // The common case inline: another lane of the simdgroup already logged this operation.
+  static_assert(sizeof(matrix_access) == 40 && sizeof(matrix_access) <= sizeof(bnb_emu_matrix_op::args), "");
+  bnb_emu_fiber& f = fiber();
+  const uint32_t n = f.matrix_ops;
+  if (n < f.matrix_log->count) {
+    const bnb_emu_matrix_op& op = f.matrix_log->ops[n];
+    bool same = op.what == what && op.file == file && op.line == line && op.size == (access ? 40u : 0u);
+    if (same && access) {
+      uint64_t a[5], b[5];
+      __builtin_memcpy(a, op.args, 40);
+      __builtin_memcpy(b, access, 40);
+      same = ((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4])) == 0;
+    }
+    if (same) {
+      f.matrix_ops = n + 1;
+      return *f.lane;
+    }
+  }
+  return *rt->matrix_op(what, access, access ? sizeof *access : 0, file, line);  // logs it, or compares in full
+#endif
+}
+
+// The elements of an R x C matrix that lane `lane` of a simdgroup of `lanes` lanes owns: f(row,
+// column) for each, in row-major order.
+template <int R, int C, class F>
+inline void for_share(uint32_t lane, uint32_t lanes, F f) {
+  constexpr int E = (R * C + 31) / 32;
+  for (uint32_t s = lane; s * E < uint32_t(R * C); s += lanes)
+    for (int e = int(s) * E; e < int(s) * E + E && e < R * C; ++e) f(e / C, e % C);
+}
+template <int R, int C, class F>
+inline void for_share(const bnb_emu_lane& l, F f) {
+  for_share<R, C>(l.thread_index_in_simdgroup, l.lanes_in_simdgroup, f);
+}
+
+// Writes a kZero matrix's elements (as the zero-initialising constructor would have).
+template <class T, int C, int R>
+inline void materialize(const simdgroup_matrix<T, C, R>& x) {
+  if (x.state != kZero) return;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) x.m[i][j] = T();
+  x.state = kFull;
+}
+
+// Eight floats of an 8-wide matrix in one vector: its row r as it lies in the array, or its column.
+typedef float float8_t __attribute__((vector_size(32)));
+template <class T>
+inline float8_t row8(const simdgroup_matrix<T, 8, 8>& x, int r) {
+  if constexpr (std::is_same<T, float>::value) {
+    float8_t v;
+    __builtin_memcpy(&v, x.m[r], sizeof v);
+    return v;
+#if defined(__F16C__)
+  } else if constexpr (std::is_same<T, half>::value) {
+    // vcvtph2ps: the instruction `float(h)` compiles to (bnb_mps.emulator.build.isa_flags), eight at a time.
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x.m[r])));
+    float8_t v;
+    __builtin_memcpy(&v, &f, sizeof v);
+    return v;
+#endif
+  } else {
+    return float8_t{float(x.m[r][0]), float(x.m[r][1]), float(x.m[r][2]), float(x.m[r][3]),
+                    float(x.m[r][4]), float(x.m[r][5]), float(x.m[r][6]), float(x.m[r][7])};
+  }
+}
+template <class T>
+inline float8_t column8(const simdgroup_matrix<T, 8, 8>& x, int c) {
+  return float8_t{float(x.m[0][c]), float(x.m[1][c]), float(x.m[2][c]), float(x.m[3][c]),
+                  float(x.m[4][c]), float(x.m[5][c]), float(x.m[6][c]), float(x.m[7][c])};
+}
+
+// This lane's elements of d = a * b (+ c), each accumulated in float in k order from c's element
+// (or 0.0f); d may be a, b or c.
+template <class TD, class TA, class TB, class TC, int M, int N, int K, bool Acc>
+inline void multiply_share(const bnb_emu_lane& l, simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
+                           const simdgroup_matrix<TB, N, K>& b, const simdgroup_matrix<TC, N, M>* c) {
+  if constexpr (Acc) materialize(*c);
+  if constexpr (M == 8 && N == 8 && K == 8) {
+    if (l.lanes_in_simdgroup == 32) {
+      // The common case: two adjacent elements of row lane / 4. Each layout combination of the
+      // operands gets its own loop (no test per element).
+      const int i = int(l.thread_index_in_simdgroup / 4), j = 2 * int(l.thread_index_in_simdgroup % 4);
+      float acc0 = 0.0f, acc1 = 0.0f;
+      if constexpr (Acc) {
+        acc0 = float(c->at(i, j));
+        acc1 = float(c->at(i, j + 1));
+      }
+      // The 16 products as two vectors of 8 (each product rounded as the scalar one is: the same
+      // instruction per element), then added to the accumulators one by one in k order. A row of
+      // memory (a's row i; b's columns j, j + 1 when b is kept transposed) is converted to float by
+      // one vector conversion.
+      auto products = [&](auto a_transposed, auto b_transposed) {
+        const float8_t av = a_transposed ? column8(a, i) : row8(a, i);
+        const float8_t p0 = av * (b_transposed ? row8(b, j) : column8(b, j));
+        const float8_t p1 = av * (b_transposed ? row8(b, j + 1) : column8(b, j + 1));
+        for (int k = 0; k < K; ++k) {
+          acc0 = acc0 + p0[k];
+          acc1 = acc1 + p1[k];
+        }
+      };
+      using yes = std::true_type;
+      using no = std::false_type;
+      if (a.transposed)
+        b.transposed ? products(yes{}, yes{}) : products(yes{}, no{});
+      else
+        b.transposed ? products(no{}, yes{}) : products(no{}, no{});
+      d.transposed = false;
+      d.m[i][j] = TD(acc0);
+      d.m[i][j + 1] = TD(acc1);
+      d.state = kShare;
+      return;
+    }
+  }
+  TD out[M][N];
+  for_share<M, N>(l, [&](int i, int j) {
+    float acc = 0.0f;
+    if constexpr (Acc) acc = float(c->at(i, j));
+    for (int k = 0; k < K; ++k) acc = acc + float(a.at(i, k)) * float(b.at(k, j));
+    out[i][j] = TD(acc);
+  });
+  d.transposed = false;
+  for_share<M, N>(l, [&](int i, int j) { d.m[i][j] = out[i][j]; });
+  d.state = kShare;
+}
+
+// Completes every lane's matrix from the lanes' shares (operands and results: each lane's matrix;
+// kShare matrices, never transposed).
+template <class T, int C, int R>
+struct gather {
+  static void resolve(void* const* o, void* const* r, uint32_t active) {
+    const uint32_t lanes = uint32_t(__builtin_popcount(active));  // lanes 0 .. lanes - 1: all that exist
+    for (uint32_t owner = 0; owner < lanes; ++owner) {
+      const auto* src = static_cast<const simdgroup_matrix<T, C, R>*>(o[owner]);
+      for_share<R, C>(owner, lanes, [&](int i, int j) {
+        for (uint32_t k = 0; k < lanes; ++k)
+          if (k != owner) static_cast<simdgroup_matrix<T, C, R>*>(r[k])->m[i][j] = src->m[i][j];
+      });
+    }
+    for (uint32_t k = 0; k < lanes; ++k) static_cast<simdgroup_matrix<T, C, R>*>(r[k])->state = kFull;
+  }
+};
+// A product's left or right operand must be whole in every lane.
+template <class T, int C, int R>
+inline void complete(const simdgroup_matrix<T, C, R>& m, const char* what, const char* file, int line) {
+  materialize(m);
+  if (m.state == kFull) return;  // the same in every lane of the simdgroup: they ran the same operations
+  auto* p = const_cast<simdgroup_matrix<T, C, R>*>(&m);
+  rt->simd_collective(&gather<T, C, R>::resolve, what, p, p, file, line);
+}
+
+// What a simdgroup_load / simdgroup_store moves, for the profiler: every lane here reads the
 // whole matrix, but the simdgroup moves each element once. Modelled as each lane moving its share
 // of the elements in row-major order (lane i: elements i*E .. i*E + E - 1 of the R x C matrix,
 // E = R*C/32; for 8x8, two adjacent elements of row i/4), as one access per contiguous run.
@@ -361,64 +567,67 @@ template <class T, int C, int R>
 inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const volatile typename emu::identity<T>::type* src,
                            ulong elements_per_row = C, vec<ulong, 2> origin = vec<ulong, 2>(0),
                            bool transpose = false, BNB_EMU_SITE) {
-  emu::check_uniform("simdgroup_load", emu::matrix_access{src, elements_per_row, origin.x, origin.y, ulong(transpose)},
-                     file, line);
+  const emu::matrix_access access{src, elements_per_row, origin.x, origin.y, ulong(transpose)};
+  emu::matrix_op("simdgroup_load", &access, file, line);
   const T* base = const_cast<const T*>(src) + origin.y * elements_per_row + origin.x;
   {
     BNB_EMU_PROFILE_MUTE;
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < C; ++j) {
-        const T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
-        emu::threadgroup_touch(p, sizeof(T), BNB_EMU_ACCESS_READ);
-        d.m[i][j] = *p;
+    if (transpose && R != C) {
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < C; ++j) {
+          const T* p = base + ulong(j) * elements_per_row + ulong(i);
+          emu::threadgroup_touch(p, sizeof(T), BNB_EMU_ACCESS_READ);
+          d.m[i][j] = *p;
+        }
+      d.transposed = false;
+    } else {
+      // Rows of memory copied whole: the matrix's rows, or (transposed) its columns.
+      for (int i = 0; i < R; ++i) {
+        const T* row = base + ulong(i) * elements_per_row;
+        emu::threadgroup_touch(row, C * sizeof(T), BNB_EMU_ACCESS_READ);
+        __builtin_memcpy(static_cast<void*>(d.m[i]), static_cast<const void*>(row), C * sizeof(T));
       }
+      d.transposed = transpose;
+    }
   }
+  d.state = emu::kFull;
   emu::profile_matrix_share<T, C, R>(base, elements_per_row, transpose, BNB_EMU_PROFILE_LOAD);
 }
+// Each lane stores its share (of a whole matrix or of a product's result).
 template <class T, int C, int R>
 inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, volatile typename emu::identity<T>::type* dst,
                             ulong elements_per_row = C, vec<ulong, 2> origin = vec<ulong, 2>(0),
                             bool transpose = false, BNB_EMU_SITE) {
-  emu::check_uniform("simdgroup_store", emu::matrix_access{dst, elements_per_row, origin.x, origin.y, ulong(transpose)},
-                     file, line);
+  const emu::matrix_access access{dst, elements_per_row, origin.x, origin.y, ulong(transpose)};
+  const bnb_emu_lane& l = emu::matrix_op("simdgroup_store", &access, file, line);
   T* base = const_cast<T*>(dst) + origin.y * elements_per_row + origin.x;
+  emu::materialize(a);
   {
     BNB_EMU_PROFILE_MUTE;
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < C; ++j) {
-        T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
-        *p = a.m[i][j];
-      }
+    emu::for_share<R, C>(l, [&](int i, int j) {
+      T* p = transpose ? base + ulong(j) * elements_per_row + ulong(i) : base + ulong(i) * elements_per_row + ulong(j);
+      *p = a.at(i, j);
+    });
   }
   emu::profile_matrix_share<T, C, R>(base, elements_per_row, transpose, BNB_EMU_PROFILE_STORE);
 }
-// d = a * b + c, accumulated in float in k order.
+// d = a * b + c: this lane's elements of d, each accumulated in float in k order.
 template <class TD, class TA, class TB, class TC, int M, int N, int K>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
                                           const simdgroup_matrix<TB, N, K>& b, const simdgroup_matrix<TC, N, M>& c,
                                           BNB_EMU_SITE) {
-  emu::collective<emu::rendezvous, char>("simdgroup_multiply_accumulate", 0, file, line);
-  simdgroup_matrix<TD, N, M> out;
-  for (int i = 0; i < M; ++i)
-    for (int j = 0; j < N; ++j) {
-      float acc = float(c.m[i][j]);
-      for (int k = 0; k < K; ++k) acc = acc + float(a.m[i][k]) * float(b.m[k][j]);
-      out.m[i][j] = TD(acc);
-    }
-  d = out;
+  const bnb_emu_lane& l = emu::matrix_op("simdgroup_multiply_accumulate", nullptr, file, line);
+  emu::complete(a, "simdgroup_multiply_accumulate", file, line);
+  emu::complete(b, "simdgroup_multiply_accumulate", file, line);
+  emu::multiply_share<TD, TA, TB, TC, M, N, K, true>(l, d, a, b, &c);
 }
 template <class TD, class TA, class TB, int M, int N, int K>
 inline void simdgroup_multiply(simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
                                const simdgroup_matrix<TB, N, K>& b, BNB_EMU_SITE) {
-  emu::collective<emu::rendezvous, char>("simdgroup_multiply", 0, file, line);
-  simdgroup_matrix<TD, N, M> out;
-  for (int i = 0; i < M; ++i)
-    for (int j = 0; j < N; ++j) {
-      float acc = 0.0f;
-      for (int k = 0; k < K; ++k) acc = acc + float(a.m[i][k]) * float(b.m[k][j]);
-      out.m[i][j] = TD(acc);
-    }
-  d = out;
+  const bnb_emu_lane& l = emu::matrix_op("simdgroup_multiply", nullptr, file, line);
+  emu::complete(a, "simdgroup_multiply", file, line);
+  emu::complete(b, "simdgroup_multiply", file, line);
+  emu::multiply_share<TD, TA, TB, TD, M, N, K, false>(l, d, a, b, nullptr);
 }
 #undef BNB_EMU_SITE
 

@@ -301,11 +301,12 @@ struct vec : vec_storage<T, N> {
     return *this;
   }
 #else
-  vec(const vec& o) : vec_storage<T, N>{} {
-    for (int i = 0; i < storage_count<N>; ++i) d[i] = o.d[i];
-  }
+  // A byte copy of the storage (the union's swizzle members make the implicit copy unavailable);
+  // one vector move, where a zeroed temporary and a loop over the components were not always
+  // optimised into one.
+  vec(const vec& o) { __builtin_memcpy(static_cast<void*>(this), static_cast<const void*>(&o), sizeof(vec)); }
   vec& operator=(const vec& o) {
-    for (int i = 0; i < storage_count<N>; ++i) d[i] = o.d[i];
+    __builtin_memcpy(static_cast<void*>(this), static_cast<const void*>(&o), sizeof(vec));
     return *this;
   }
 #endif
