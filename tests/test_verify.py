@@ -140,6 +140,11 @@ GROUPS = {
         Fault("update-norm clipping scales by norm / bound instead of bound / norm", "optimizer.h",
               "lr_step = lr * metal::precise::divide(max_norm, norm);",
               "lr_step = lr * metal::precise::divide(norm, max_norm);", {"optimizer_32bit": r" lars "}),
+        Fault("the 8-bit optimizer's non-finite gradient reset keeps the first state", "optimizer.h",
+              "                } else {  // non-finite gradient: states reset to 0, parameter unchanged\n"
+              "                    m[k] = 0.0f;\n",
+              "                } else {  // non-finite gradient: states reset to 0, parameter unchanged\n",
+              {"optimizer_8bit": r"non-finite gradients .*state1 where the gradient is not finite"}),
     ],
 }
 

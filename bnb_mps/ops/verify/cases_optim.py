@@ -1,13 +1,15 @@
-"""The optimizer families' cases: one step of every 8-bit and 32-bit optimizer."""
+"""The optimizer families' cases: one step of every 8-bit and 32-bit optimizer, and the 8-bit two-state
+optimizers' rule for a non-finite gradient (docs/semantics.md section 5)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 
 from .cases import Case, gen, signed_code, unsigned_code
-from .compare import close
+from .compare import close, exact
 
 
 def _ulp(t: torch.Tensor) -> torch.Tensor:
@@ -131,3 +133,74 @@ def optimizer_32bit_cases() -> Iterator[Case]:
                 False)  # fmt: skip
         yield Case(f"optimizer_update_32bit {name} {dtype} clip={max_unorm} n={n}", "optimizer_update_32bit", args,
                    _optimizer_32bit_compare(args))  # fmt: skip
+
+
+def _zero_index(code: torch.Tensor) -> int:
+    """The index of the code value 0.0 (both dynamic codes hold it exactly)."""
+    return int((code == 0).nonzero()[0])
+
+
+def _non_finite_expected(op: str, mask: torch.Tensor, zero1: int, zero2: int) -> Callable:
+    """docs/semantics.md's result for a step whose gradient is NaN or infinite where `mask` is set: those
+    elements' new states are 0 and their p unchanged, the others step as usual. That is the CPU's step
+    with those gradients 0 and those old states 0 (with no weight decay, such an element's states stay
+    0 and its update is 0), so the CPU computes it from arguments changed accordingly; only its codes
+    for those zero states are not the spec's (bitsandbytes' CPU lookup table gives a code next to 0,
+    e.g. 131 instead of 127), so they are set to the code of 0 afterwards."""
+    from ..cpu_round_trip import cpu_call
+
+    def expected(want_args):
+        want_args[1][mask] = 0
+        want_args[3][..., mask] = zero1
+        want_args[4][mask] = zero2
+        result = cpu_call(op, want_args)
+        want_args[3][..., mask] = zero1
+        want_args[4][mask] = zero2
+        return result
+
+    return expected
+
+
+def _non_finite_compare(p_before: torch.Tensor, mask: torch.Tensor, zero1: int, zero2: int) -> Callable:
+    """As for every 8-bit case, and exactly: the elements with a non-finite gradient keep p bit for bit,
+    and their states' new codes are the code of 0."""
+    usual = _optimizer_8bit_compare(p_before)
+
+    def compare(got, want, got_args, want_args):
+        err = exact(got_args[2][mask], p_before[mask], "p where the gradient is not finite")
+        if err:
+            return err.replace("the CPU gives", "it was")
+        for si, zero in ((3, zero1), (4, zero2)):
+            codes = got_args[si][..., mask]
+            if bool((codes != zero).any()):
+                return (f"state{si - 2} where the gradient is not finite: codes {sorted(set(codes.reshape(-1).tolist()))} "
+                        f"where {zero} (the code of 0) is due")
+        return usual(got, want, got_args, want_args)
+
+    return compare
+
+
+def optimizer_8bit_non_finite_cases() -> Iterator[Case]:
+    """adam and ademamix with NaN, +inf and -inf gradients among finite ones, at elements whose old
+    states are not 0 (in each block: a reset that did not happen, or a NaN let into a block maximum,
+    shows)."""
+    code, ucode = signed_code(), unsigned_code()
+    zero1, zero2 = _zero_index(code), _zero_index(ucode)
+    n = 600
+    for i, (name, dtype) in enumerate((("adam", torch.float32), ("ademamix", torch.bfloat16))):
+        g = gen(750 + i)
+        p = (torch.randn(n, generator=g) * 0.1).to(dtype)
+        grad = (torch.randn(n, generator=g) * 0.01).to(dtype)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[3::37] = True
+        special = torch.tensor([math.nan, math.inf, -math.inf]).to(dtype)
+        grad[mask] = special[torch.arange(int(mask.sum())) % 3]
+        m = torch.randn(2 if name == "ademamix" else 1, n, generator=g) * 0.01
+        q1, a1 = zip(*(_quantized_state(m[c], code) for c in range(m.shape[0])))
+        state1, absmax1 = (torch.stack(q1), torch.stack(a1)) if name == "ademamix" else (q1[0], a1[0])
+        state2, absmax2 = _quantized_state(torch.randn(n, generator=g).square() * 1e-4 + 1e-6, ucode)
+        args = (name, grad, p, state1, state2, 0.9, 0.995, 0.999, 5.0, 1e-8, 3, 1e-3, code, ucode, absmax1, absmax2,
+                0.0, 1.0, False)  # fmt: skip
+        yield Case(f"optimizer_update_8bit_blockwise {name} {dtype} n={n} non-finite gradients (nan, inf, -inf)",
+                   "optimizer_update_8bit_blockwise", args, _non_finite_compare(p.clone(), mask, zero1, zero2),
+                   expected=_non_finite_expected("optimizer_update_8bit_blockwise", mask, zero1, zero2))  # fmt: skip

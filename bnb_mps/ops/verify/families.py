@@ -9,7 +9,7 @@ from dataclasses import replace
 from .cases import Case, Family
 from .cases_int8 import int8_product_cases, int8_quant_cases
 from .cases_matmul import matmul_cases
-from .cases_optim import optimizer_32bit_cases, optimizer_8bit_cases
+from .cases_optim import optimizer_32bit_cases, optimizer_8bit_cases, optimizer_8bit_non_finite_cases
 from .cases_quant import blockwise_8bit_cases, fourbit_cases
 from .cases_special import special_4bit_cases, special_8bit_cases
 
@@ -41,7 +41,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            int8_quant_cases),
     Family("int8_products", ("int8_linear_matmul", "int8_linear_matmul.out", "int8_scaled_mm", "int8_mixed_scaled_mm"),
            int8_product_cases),
-    Family("optimizer_8bit", ("optimizer_update_8bit_blockwise",), optimizer_8bit_cases),
+    Family("optimizer_8bit", ("optimizer_update_8bit_blockwise",),
+           lambda: itertools.chain(optimizer_8bit_cases(), optimizer_8bit_non_finite_cases())),
     Family("optimizer_32bit", ("optimizer_update_32bit",), optimizer_32bit_cases),
 ]}  # fmt: skip
 
