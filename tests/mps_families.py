@@ -870,7 +870,7 @@ def optimizer_cases(n: int) -> Iterator[Case]:
 
 
 def _optimizer_special_cases(n: int) -> Iterator[Case]:
-    """docs/semantics.md section 7 for the optimizers:
+    """docs/semantics.md section 7 for the optimizers, and section 5's non-finite gradients:
     - 8-bit state blocks above 2^126 (momentum's first moment, Adam's second moment) re-quantize
       to the reference's codes and absmax (the reciprocal of such an absmax is a float32 subnormal);
     - float32 / bfloat16 subnormal gradients count as 0, also for skip_zeros, which then leaves the
@@ -895,6 +895,14 @@ def _optimizer_special_cases(n: int) -> Iterator[Case]:
     args = oi.args_8bit("adam", n, f32, step=1, weight_decay=0.0, gnorm_scale=1.0, g=big)
     yield Case(f"{op8} adam second moment above 2^126 n={n}", op8, tuple(args), R.optimizer_8bit(*oi.clone(args)),
                compare=_compare_8bit(args), run=_run_in_place(op8))  # fmt: skip
+
+    # section 5: a NaN or infinite gradient resets the two-state optimizers' element (states 0, p kept)
+    for name in ("adam", "ademamix"):
+        grad = torch.randn(n, generator=g) * 0.01
+        grad[3::37], grad[4::41], grad[5::43] = float("nan"), float("inf"), -float("inf")
+        args = oi.args_8bit(name, n, f32, seed=_seed("opt-nonfinite", n, name), g=grad)
+        yield Case(f"{op8} {name} NaN and infinite gradients n={n}", op8, tuple(args),
+                   R.optimizer_8bit(*oi.clone(args)), compare=_compare_8bit(args), run=_run_in_place(op8))  # fmt: skip
 
     for dtype in (f32, torch.bfloat16):
         grad = torch.randn(n, generator=g) * 0.01
