@@ -44,6 +44,7 @@ from typing import Any, Optional
 from .. import json_cache
 from . import timing, verify
 from .candidates import Candidate, Candidates
+from .verify.runner import first_line
 
 logger = logging.getLogger("bnb_mps")
 
@@ -184,7 +185,7 @@ def measure(c: Candidates, tier: str, executor, verified: bool = True) -> Decisi
             else:
                 times[name] = timing.seconds(lambda: served(call), gpu)
         except Exception as e:  # noqa: BLE001  (a route that cannot serve this shape here is no candidate)
-            errors[name] = _first_line(e)
+            errors[name] = first_line(e)
     choice = decide(times, c.default)
     clock = "fixed" if fixed is not None else "gpu" if gpu else "host"
     decision = Decision(c.op, c.key, choice, c.default, times, tier, errors, left_out, clock,
@@ -225,11 +226,6 @@ def _unverified(families: tuple, tier: str, executor) -> Optional[str]:
         if not verify.verdict(family, tier, executor).passed:
             return f"its kernel family {family} did not pass first-use verification"
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # -- the cache -----------------------------------------------------------------------------------------------
