@@ -138,30 +138,22 @@ def test_process_survives_many_faults(lib):
 # collectives used to check for them, the runtime's per-simdgroup log checks.
 
 
-@pytest.mark.parametrize("order", ORDERS)
-def test_matrix_operation_in_divergent_control_flow(lib, order):
-    with pytest.raises(emulator.DivergentCollective,
-                       match=r"matrix_in_a_branch.*divergent control flow.*simdgroup_(load|store).*simdgroup_(load|store)"):  # fmt: skip
-        lib.launch("matrix_in_a_branch", grid=1, threadgroup=32, args=[torch.ones(64), torch.zeros(64)], order=order)
+# (kernel, sizes of its input and output buffers, what the error must say)
+MATRIX_MISUSES = [
+    ("matrix_in_a_branch", (64, 64), r"matrix_in_a_branch.*divergent control flow.*simdgroup_(load|store).*simdgroup_(load|store)"),
+    ("matrix_lane_address", (72, 64), r"matrix_lane_address.*arguments that differ"),
+    ("matrix_count_mismatch", (128, 96), r"matrix_count_mismatch.*simdgroup_load.*is at simd_sum .*without having reached it"),
+    ("matrix_after_return", (64, 64), r"matrix_after_return.*simdgroup_load.*returned"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("order", ORDERS)
-def test_matrix_operation_with_lane_dependent_arguments(lib, order):
-    with pytest.raises(emulator.DivergentCollective, match="matrix_lane_address.*arguments that differ"):
-        lib.launch("matrix_lane_address", grid=1, threadgroup=32, args=[torch.ones(72), torch.zeros(64)], order=order)
-
-
-@pytest.mark.parametrize("order", ORDERS)
-def test_matrix_operations_counted_at_the_next_collective(lib, order):
-    with pytest.raises(emulator.DivergentCollective,
-                       match=r"matrix_count_mismatch.*simdgroup_load.*is at simd_sum .*without having reached it"):  # fmt: skip
-        lib.launch("matrix_count_mismatch", grid=1, threadgroup=32, args=[torch.ones(128), torch.zeros(96)], order=order)
-
-
-@pytest.mark.parametrize("order", ORDERS)
-def test_matrix_operations_skipped_by_returning_lanes(lib, order):
-    with pytest.raises(emulator.DivergentCollective, match="matrix_after_return.*simdgroup_load.*returned"):
-        lib.launch("matrix_after_return", grid=1, threadgroup=32, args=[torch.ones(64), torch.zeros(64)], order=order)
+@pytest.mark.parametrize("kernel,sizes,message", MATRIX_MISUSES, ids=[m[0] for m in MATRIX_MISUSES])
+def test_matrix_operations_the_simdgroup_does_not_agree_on_are_reported(lib, order, kernel, sizes, message):
+    """In divergent control flow, with lane-dependent arguments, miscounted at the next collective,
+    or skipped by lanes that returned."""
+    with pytest.raises(emulator.DivergentCollective, match=message):
+        lib.launch(kernel, grid=1, threadgroup=32, args=[torch.ones(sizes[0]), torch.zeros(sizes[1])], order=order)
 
 
 def test_missing_barrier_before_a_matrix_load(lib):
