@@ -414,39 +414,32 @@ struct Worker {
 // ---------------------------------------------------------------------------------------------
 // Switching between the scheduler and a lane (with AddressSanitizer's fiber annotations).
 
-void switch_to_lane(Worker* w, Lane* l) {
+// One context switch, annotated for AddressSanitizer: `fake` keeps the leaving fiber's fake stack
+// (null for a lane that is dying, so that ASan frees it), `bottom` and `size` are the stack entered.
+inline void switch_fiber(Context* from, Context* to, void** fake, void* bottom, size_t size) {
 #if BNB_EMU_ASAN
-  void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, l->stack->lo, l->stack->size);
-  context_switch(&w->sched, &l->ctx);
-  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+  __sanitizer_start_switch_fiber(fake, bottom, size);
+  context_switch(from, to);
+  __sanitizer_finish_switch_fiber(fake ? *fake : nullptr, nullptr, nullptr);
 #else
-  context_switch(&w->sched, &l->ctx);
+  (void)fake, (void)bottom, (void)size;
+  context_switch(from, to);
 #endif
+}
+
+void switch_to_lane(Worker* w, Lane* l) {
+  void* fake = nullptr;
+  switch_fiber(&w->sched, &l->ctx, &fake, l->stack->lo, l->stack->size);
 }
 
 void switch_to_scheduler(Lane* l, bool dying) {
   Worker* w = l->worker;
-#if BNB_EMU_ASAN
-  __sanitizer_start_switch_fiber(dying ? nullptr : &l->asan_fake, w->asan_sched_bottom, w->asan_sched_size);
-  context_switch(&l->ctx, &w->sched);
-  __sanitizer_finish_switch_fiber(l->asan_fake, nullptr, nullptr);
-#else
-  (void)dying;
-  context_switch(&l->ctx, &w->sched);
-#endif
+  switch_fiber(&l->ctx, &w->sched, dying ? nullptr : &l->asan_fake, w->asan_sched_bottom, w->asan_sched_size);
 }
 
 // From one lane straight to another (a round hands the worker from lane to lane, see run_group).
 void switch_lane_to_lane(Lane* from, Lane* to, bool dying) {
-#if BNB_EMU_ASAN
-  __sanitizer_start_switch_fiber(dying ? nullptr : &from->asan_fake, to->stack->lo, to->stack->size);
-  context_switch(&from->ctx, &to->ctx);
-  __sanitizer_finish_switch_fiber(from->asan_fake, nullptr, nullptr);
-#else
-  (void)dying;
-  context_switch(&from->ctx, &to->ctx);
-#endif
+  switch_fiber(&from->ctx, &to->ctx, dying ? nullptr : &from->asan_fake, to->stack->lo, to->stack->size);
 }
 
 void yield_lane(Lane* l, bool dying);
