@@ -44,9 +44,14 @@ inline uint bnb_int8_col_bits(float x) {
 
 // A column code of int8_double_quant, as bitsandbytes' CUDA backend computes it with torch ops in
 // A's dtype T: round_half_even(float(T(x * 127)) / col_max), IEEE division. NaN (a NaN x, a NaN
-// column, 0 / 0) gives 0; an infinite quotient (x * 127 beyond T's range) is clamped to +-127.
+// column, 0 / 0) gives 0; an infinite quotient (x * 127 beyond T's range) is clamped to +-127. A zero,
+// float32-subnormal (a zero on Apple GPUs, docs/semantics.md section 7) or NaN x gives 0 whatever the
+// column's maximum, decided on the bit pattern.
 template <typename T>
 inline int bnb_int8_col_code(float x, float col_max) {
+    if (bnb_abs_bits(x) == 0u) {
+        return 0;
+    }
     return bnb_int8_round(metal::precise::divide(float(T(x * 127.0f)), col_max));
 }
 
