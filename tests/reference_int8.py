@@ -68,10 +68,11 @@ def _round(v: np.ndarray) -> np.ndarray:
 
 
 def _quantize_rows(a: np.ndarray, maxima: np.ndarray, flush: bool | None = None) -> np.ndarray:
-    """round_half_even(a * fl32(127 * fl32(1 / max))) per row."""
+    """round_half_even(a * fl32(127 * fl32(1 / max))) per row; fl32(127 / max) for max above 2^126."""
     z = _z(flush)
+    m = maxima.astype(F32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        scale = z(F32(127) * z(F32(1) / maxima.astype(F32)))
+        scale = np.where(m > F32(2.0**126), z(F32(127) / m), z(F32(127) * z(F32(1) / m)))
         return _round(z(a * scale[:, None]))
 
 

@@ -28,11 +28,16 @@ inline int bnb_int8_round(float v) {
 
 // A row's scale fl32(127 * fl32(1 / max)) (docs/semantics.md section 6: CUDA's row kernel scales by
 // __fdividef(127, max), 127 times an approximate reciprocal; this is that product with the IEEE
-// reciprocal); max is a non-negative float given by its bit pattern (inf gives 0). A max of 0 (a row
-// of zeros) gives 0 instead of inf: its codes are then 0 from 0 * 0, not from 0 * inf = NaN, which
-// fast math need not keep.
+// reciprocal), and fl32(127 / max) for max above 2^126, where 1 / max would be a float32 subnormal
+// (flushed on Apple GPUs); max is a non-negative float given by its bit pattern (inf gives 0). A max
+// of 0 (a row of zeros) gives 0 instead of inf: its codes are then 0 from 0 * 0, not from
+// 0 * inf = NaN, which fast math need not keep.
 inline float bnb_int8_scale(uint max_bits) {
-    return max_bits == 0u ? 0.0f : 127.0f * metal::precise::divide(1.0f, as_type<float>(max_bits));
+    const float m = as_type<float>(max_bits);
+    if (max_bits == 0u) {
+        return 0.0f;
+    }
+    return max_bits > 0x7e800000u ? metal::precise::divide(127.0f, m) : 127.0f * metal::precise::divide(1.0f, m);
 }
 
 // A column's maximum as bit pattern: |x| with NaN kept (as the canonical quiet NaN, whose pattern is

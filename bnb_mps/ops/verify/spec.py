@@ -217,8 +217,14 @@ def _int8_round(v: float) -> int:
 
 
 def _int8_code(x: float, maximum: float) -> int:
-    """A row code: round_half_even(fl32(x * fl32(127 * fl32(1 / maximum)))) clamped; NaN gives 0."""
-    scale = 0.0 if maximum == 0.0 else round32(127.0 * round32(1.0 / maximum))  # (1 / inf is 0)
+    """A row code: round_half_even(fl32(x * fl32(127 * fl32(1 / maximum)))) clamped, with fl32(127 / maximum)
+    as the scale for a maximum above 2^126; NaN gives 0."""
+    if maximum == 0.0:
+        scale = 0.0
+    elif maximum > 2.0**126:
+        scale = round32(127.0 / maximum)  # (127 / inf is 0)
+    else:
+        scale = round32(127.0 * round32(1.0 / maximum))
     return _int8_round(mul32(x, scale))
 
 
