@@ -9,11 +9,19 @@ it; whichever writes last scales both on the next step), and the last slot is ne
 are the same in both layouts; only the scales move.
 
 A state saved on CUDA (n not a multiple of 256) and loaded on a Mac, or the reverse, must go through
-these functions: the shapes are equal, so nothing else can tell the layouts apart.
+these functions: the shapes are equal.
 
     from bnb_mps.ademamix_layout import ademamix8bit_state_from_cuda
     optimizer.load_state_dict(torch.load("cuda_optimizer.pt"))
     ademamix8bit_state_from_cuda(optimizer)              # before the first step on the Mac
+
+On a Mac this happens by itself: `install()` (called by `bnb_mps.register()` for mps, undone by
+`unregister()`) wraps bitsandbytes' `Optimizer8bit.load_state_dict` so that, after loading, every
+AdEMAMix8bit state of a parameter on mps that is in CUDA's layout (`in_cuda_layout`: its last scale
+slot, which CUDA never writes, is 0 while the slow EMA's last block holds codes a zero block never
+has) is converted, with a warning that says so. A state in CUDA's layout is therefore never read
+with shifted scales through `load_state_dict`; tensors set by other means are the caller's to
+convert.
 
 `..._from_cuda` is exact: every element dequantizes to what CUDA's next step would read. `..._to_cuda`
 must put two scales into one slot: it keeps the larger and re-quantizes the block of the other (the
@@ -23,9 +31,16 @@ sign fix of 5.1; the rest is exact.
 
 from __future__ import annotations
 
+import functools
+import threading
+import warnings
+
 import torch
 
 BLOCK = 256
+
+#: device types whose AdEMAMix8bit states `install()` checks after a load (bnb-mps serves them)
+DEVICE_TYPES = ("mps",)
 
 
 def _blocks(n: int) -> int:
@@ -121,3 +136,77 @@ def _convert(optimizer, fn) -> int:
             st["absmax1"].copy_(newa)
             count += 1
     return count
+
+
+# -- telling the layouts apart after a load ------------------------------------------------------------
+
+
+def in_cuda_layout(state1: torch.Tensor, absmax1: torch.Tensor) -> bool:
+    """Whether an AdEMAMix8bit state (n not a multiple of 256) is in CUDA's layout: CUDA never writes
+    the last scale slot (it stays 0 from the optimizer's initialisation), while in bnb-mps' layout that
+    slot is the slow EMA's last block's maximum, 0 only when the whole block is zero, whose codes are
+    then 0 or 255 (section 2's NaN path for 0 / 0, then the sign fix). Reads the data (host side)."""
+    n, blocks = _check(state1, absmax1)
+    if n % BLOCK == 0 or float(absmax1.reshape(-1)[-1]) != 0.0:
+        return False
+    last = state1.reshape(2, -1)[1, (blocks - 1) * BLOCK : n]
+    return bool(((last != 0) & (last != 255)).any())
+
+
+_lock = threading.Lock()
+_original = None
+
+
+def _is_ademamix8(st) -> bool:
+    s1, a1 = (st.get("state1"), st.get("absmax1")) if isinstance(st, dict) else (None, None)
+    return (isinstance(s1, torch.Tensor) and s1.dtype == torch.uint8 and s1.dim() >= 2 and s1.shape[0] == 2
+            and isinstance(a1, torch.Tensor) and a1.dim() == 2 and a1.shape[0] == 2)  # fmt: skip
+
+
+def _converting_load(original):
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        out = original(self, state_dict, *args, **kwargs)
+        for p, st in self.state.items():
+            device = getattr(p, "device", None)
+            if device is None or device.type not in DEVICE_TYPES or not _is_ademamix8(st):
+                continue
+            if in_cuda_layout(st["state1"], st["absmax1"]):
+                st["absmax1"].copy_(ademamix8bit_from_cuda(st["state1"], st["absmax1"])[1])
+                warnings.warn(
+                    f"bnb_mps: an AdEMAMix8bit state of a parameter of {p.numel()} elements was in bitsandbytes' "
+                    "CUDA layout (the slow EMA's scales one slot early); converted to bnb-mps' layout "
+                    "(bnb_mps.ademamix_layout, docs/semantics.md section 5.1)", stacklevel=2)  # fmt: skip
+        return out
+
+    return load_state_dict
+
+
+def install() -> bool:
+    """Wrap bitsandbytes' Optimizer8bit.load_state_dict (idempotent); False if bitsandbytes has none."""
+    global _original
+    try:
+        from bitsandbytes.optim.optimizer import Optimizer8bit
+    except Exception:
+        return False
+    with _lock:
+        if _original is None:
+            current = getattr(Optimizer8bit, "load_state_dict", None)
+            if not callable(current):
+                return False
+            _original = current
+            Optimizer8bit.load_state_dict = _converting_load(current)
+        return True
+
+
+def uninstall() -> None:
+    """Put bitsandbytes' own load_state_dict back (if ours is still there)."""
+    global _original
+    with _lock:
+        if _original is None:
+            return
+        from bitsandbytes.optim.optimizer import Optimizer8bit
+
+        if getattr(Optimizer8bit.load_state_dict, "__wrapped__", None) is _original:
+            Optimizer8bit.load_state_dict = _original
+        _original = None

@@ -134,3 +134,52 @@ def test_bad_input_is_named(state1, absmax1, match):
         ademamix8bit_from_cuda(state1, absmax1)
     with pytest.raises(ValueError, match=match):
         ademamix8bit_to_cuda(state1, absmax1, _code())
+
+
+def _step_once(opt, p):
+    from bnb_mps.testing import use_emulated_kernels
+
+    with use_emulated_kernels():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+        opt.step()
+
+
+def test_load_state_dict_converts_a_cuda_layout_state_with_a_warning(monkeypatch):
+    """bitsandbytes' load_state_dict, wrapped by ademamix_layout.install() (as bnb_mps.register() does
+    for mps; here the CPU tensors of the emulated tier stand in): CUDA's H100 state is recognised and
+    converted, with a warning; a state in bnb-mps' layout loads unchanged and silently."""
+    import warnings
+
+    import bitsandbytes as bnb
+    from bnb_mps import ademamix_layout
+
+    monkeypatch.setattr(ademamix_layout, "DEVICE_TYPES", ("cpu",))
+    was_installed = ademamix_layout._original is not None
+    assert ademamix_layout.install()
+    try:
+        p = torch.nn.Parameter(torch.randn(8292))
+        opt = bnb.optim.AdEMAMix8bit([p], lr=1e-3)
+        _step_once(opt, p)
+        ours, before = opt.state_dict(), opt.state[p]["absmax1"].clone()
+        assert not ademamix_layout.in_cuda_layout(opt.state[p]["state1"], opt.state[p]["absmax1"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.load_state_dict(ours)  # our own layout: no warning, nothing changed
+        assert torch.equal(opt.state[p]["absmax1"], before)
+
+        state1, absmax1 = _cuda_state("fp32")
+        assert ademamix_layout.in_cuda_layout(state1, absmax1)
+        cuda_sd = opt.state_dict()
+        entry = cuda_sd["state"][0]
+        entry = entry.get(opt._FSDP_WRAPPED_QUANT_STATE_KEY, entry)  # (bitsandbytes wraps the 8-bit state)
+        entry["state1"], entry["absmax1"] = state1.clone(), absmax1.clone()
+        with pytest.warns(UserWarning, match="CUDA layout"):
+            opt.load_state_dict(cuda_sd)
+        want = ademamix8bit_from_cuda(state1, absmax1)
+        assert torch.equal(opt.state[p]["state1"], want[0]) and torch.equal(opt.state[p]["absmax1"], want[1])
+    finally:
+        if not was_installed:
+            ademamix_layout.uninstall()
+            from bitsandbytes.optim.optimizer import Optimizer8bit
+
+            assert not hasattr(Optimizer8bit.load_state_dict, "__wrapped__")
