@@ -72,7 +72,8 @@ def ademamix8bit_from_cuda(state1: torch.Tensor, absmax1: torch.Tensor) -> tuple
     return state1.clone(), out.reshape(absmax1.shape)
 
 
-def ademamix8bit_to_cuda(state1: torch.Tensor, absmax1: torch.Tensor, qmap1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ademamix8bit_to_cuda(state1: torch.Tensor, absmax1: torch.Tensor,
+                         qmap1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(state1, absmax1) of a state in bnb-mps' layout, in CUDA's (new tensors). qmap1 is the state's
     signed dynamic code (256 float32 values)."""
     n, blocks = _check(state1, absmax1)
