@@ -63,6 +63,7 @@ import torch
 from ..device import _macos_version
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
+from . import _gpu_common, clocks
 from ._gpu_common import MAX_THREADS_PER_THREADGROUP, check_geometry, check_simd_width, mps_unavailable_reason
 from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError, first_lines
 
@@ -168,6 +169,9 @@ class ShaderExecutor:
     def __init__(self, library) -> None:
         """`library`: the compiled units (CompileUnits of compile_shader libraries, what load()
         makes), or one compile_shader library that holds every kernel."""
+        if _gpu_common.tensor_device() != "mps":  # (the model of torch's MPS runtime: CPU tensors stand in)
+            self.device_type = _gpu_common.tensor_device()
+            self._on_device = operator.attrgetter(f"is_{self.device_type}")
         if not isinstance(library, CompileUnits):
             library = CompileUnits({"": library}, dict.fromkeys(dir(library), ""), {})
         self._units = library
@@ -198,6 +202,14 @@ class ShaderExecutor:
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
         self.prepare(kernel, grid, threadgroup)(args)
+
+    def synchronize(self) -> None:
+        """Waits until the GPU ran everything encoded so far (torch.mps.synchronize)."""
+        torch.mps.synchronize()
+
+    def gpu_clock(self) -> clocks.EventClock:
+        """The clock that times a batch of this tier's calls on the GPU (bnb_mps.executors.clocks)."""
+        return clocks.EventClock()
 
     def prepare(self, kernel: str, grid: Dim3, threadgroup: Dim3) -> Callable[[Sequence[KernelArg]], None]:
         """The launch of `kernel` with this geometry as a function of its arguments: the geometry,
