@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -124,6 +125,15 @@ def use_modelled_mps(torch_version: str = "2.13") -> Iterator[ModelledMPS]:
         "_mps_deviceSynchronize": rt.device_synchronize,
         "_mps_compileShader": lambda source: ModelledLibrary(rt, source),
     }
+    import torch.mps.event as torch_event
+
+    events = weakref.WeakSet()  # torch.mps.Event objects made under the model
+    saved_init = torch_event.Event.__init__
+
+    def tracked_init(self, *args, **kwargs):
+        saved_init(self, *args, **kwargs)
+        events.add(self)
+
     saved_c = {name: getattr(torch._C, name) for name in _C_FUNCTIONS if hasattr(torch._C, name)}
     saved_mps = {name: getattr(torch.mps, name) for name in _STREAM_API if hasattr(torch.mps, name)}
     saved_version, saved_device = torch.__version__, _gpu_common._tensor_device
@@ -132,6 +142,7 @@ def use_modelled_mps(torch_version: str = "2.13") -> Iterator[ModelledMPS]:
     try:
         for name, value in functions.items():
             setattr(torch._C, name, value)
+        torch_event.Event.__init__ = tracked_init
         if behaviour.public_streams:
             for name, value in _stream_api(rt).items():
                 setattr(torch.mps, name, value)
@@ -148,6 +159,10 @@ def use_modelled_mps(torch_version: str = "2.13") -> Iterator[ModelledMPS]:
         finally:
             registration.unregister("CPU")
     finally:
+        torch_event.Event.__init__ = saved_init
+        for event in list(events):  # (released now: torch's own release would fail without an MPS backend)
+            rt.release_event(event._Event__eventId)
+            event._Event__eventId = 0
         for name in _C_FUNCTIONS:
             if name in saved_c:
                 setattr(torch._C, name, saved_c[name])
