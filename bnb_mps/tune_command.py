@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"cannot measure the {tier} tier now: {e}")
         return 1
     gpu = clock.name == "gpu"
-    stock = registration.stock_kernel("MPS", "gemm_4bit")
+    stock = registration.stock_kernel("MPS" if device.type == "mps" else "CPU", "gemm_4bit")
     chip = chips.detect()
     machine = verify.machine()
     print(f"Tuning gemm_4bit (NF4, blocksize {BLOCKSIZE}, nested block scales, {args.dtype} activations) on the "

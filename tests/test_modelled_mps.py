@@ -386,3 +386,40 @@ def test_an_earlier_command_buffer_error_does_not_fail_verification_on_2_15(monk
             torch.mps.synchronize()  # (raised once already, not again)
     finally:
         verify.reset()
+
+
+# -- the commands a Mac user runs ------------------------------------------------------------------------------
+
+
+def test_the_verify_command_on_the_shader_tier(monkeypatch, tmp_path, capsys):
+    from bnb_mps.__main__ import main
+    from bnb_mps.ops import verify
+
+    monkeypatch.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
+    verify.reset()
+    try:
+        with use_modelled_mps("2.13") as mps:
+            status = main(["verify", "--tier", "shader", "--json", str(tmp_path / "verdicts.json")])
+    finally:
+        verify.reset()
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "verdicts.json").read_text())
+    assert status == 0, out
+    assert "shader" in out and mps.runtime.counts["kernels"] > 0 and mps.runtime.counts["synchronize"] > 0
+    assert json.dumps(report).count('"passed": true') >= len(verify.FAMILIES), report
+
+
+def test_the_tune_command_on_the_shader_tier_measures_on_the_gpu_clock(monkeypatch, _own_tuning, capsys):
+    from bnb_mps.__main__ import main
+
+    with use_modelled_mps("2.13") as mps:
+        status = main(["tune", "--tier", "shader", "--shapes", "64x256", "--m", "1,5,40"])
+        rows = bnb_mps.tuning_table()
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "timings mean nothing" not in out  # (the GPU clock, not the host's)
+    gemm = [r for r in rows if r["op"] == "gemm_4bit"]
+    assert len(gemm) == 3 and {r["tier"] for r in gemm} == {"shader"} and {r["clock"] for r in gemm} == {"gpu"}, rows
+    assert mps.runtime.counts["elapsed_time"] > 0 and mps.runtime.counts["event_synchronize"] == 0
+    cached = json.loads(_own_tuning.read_text())
+    assert any(k.startswith("shader |") for k in cached), list(cached)
