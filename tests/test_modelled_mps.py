@@ -423,3 +423,27 @@ def test_the_tune_command_on_the_shader_tier_measures_on_the_gpu_clock(monkeypat
     assert mps.runtime.counts["elapsed_time"] > 0 and mps.runtime.counts["event_synchronize"] == 0
     cached = json.loads(_own_tuning.read_text())
     assert any(k.startswith("shader |") for k in cached), list(cached)
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_torch_int_mm_is_a_route_of_the_int8_product_where_torch_runs_it_on_mps(version, monkeypatch):
+    """torch 2.15 runs torch._int_mm on mps: a tuning candidate of int8_linear_matmul there, which serves
+    where it measures faster (fixed timings) and gives the kernel's exact int32 products; before 2.15 it
+    is no candidate."""
+    from bnb_mps.testing import fixed_timings
+
+    g = torch.Generator().manual_seed(2)
+    A = torch.randint(-128, 128, (2, 5, 96), dtype=torch.int8, generator=g)
+    B = torch.randint(-128, 128, (40, 96), dtype=torch.int8, generator=g)
+    want = (A.reshape(-1, 96).double() @ B.double().t()).reshape(2, 5, 40)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    with use_modelled_mps(version):
+        with fixed_timings({"torch._int_mm": 1e-3, "kernel": 2e-3}):
+            got = bnb.int8_linear_matmul.default(A, B)
+            rows = [r for r in bnb_mps.tuning_table() if r["key"] == "int8_linear_matmul A=int8[2, 5, 96] B=int8[40, 96]"]
+    assert got.dtype == torch.int32 and torch.equal(got.double(), want)
+    if VERSIONS[version].int_mm_on_mps:
+        assert len(rows) == 1 and rows[0]["choice"] == "torch._int_mm", rows
+        assert set(rows[0]["times"]) == {"kernel", "torch._int_mm"}, rows
+    else:
+        assert rows == []  # (the kernel alone: nothing to choose from)
