@@ -448,6 +448,18 @@ def test_math_mode_is_pinned_where_compile_shader_uses_metal_3_2(torch_ver, maco
     assert shader.math_mode_pinned(macos, torch_ver) == (COMPILE_SHADER_MSL[torch_ver, macos] >= (3, 2))
 
 
+@pytest.mark.parametrize(("torch_ver", "macos", "value", "pinned"), [
+    ((2, 15), (15, 0), "3.1", False),  # torch 2.15 reads PYTORCH_MPS_METAL_VERSION: 3.1 drops the pins
+    ((2, 15), (14, 6), "3.2", True),
+    ((2, 15), (26, 0), "4.0", True),
+    ((2, 15), (15, 0), "not-a-version", True),  # (ignored: its default, 3.2)
+    ((2, 13), (15, 0), "3.1", True),  # torch 2.13 does not read it
+])  # fmt: skip
+def test_metal_version_override_of_torch_2_15_decides_the_math_mode(torch_ver, macos, value, pinned):
+    environ = {shader.METAL_VERSION_ENV: value, shader.FAST_MATH_ENV: "1"}
+    assert shader.math_mode_pinned(macos, torch_ver, environ) is pinned
+
+
 def test_math_mode_is_not_pinned_off_macos():
     assert not shader.math_mode_pinned(None, (2, 13))
 
