@@ -113,7 +113,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"cannot measure the {tier} tier now: {e}")
         return 1
     gpu = clock.name == "gpu"
-    stock = registration.stock_kernel("MPS" if device.type == "mps" else "CPU", "gemm_4bit")
+    # bitsandbytes' own implementation: for the CPU key where bnb-mps serves it (the model of torch's MPS
+    # runtime), else the one the MPS registration captured
+    stock = registration.stock_kernel("CPU", "gemm_4bit") or registration.stock_kernel("MPS", "gemm_4bit")
     chip = chips.detect()
     machine = verify.machine()
     print(f"Tuning gemm_4bit (NF4, blocksize {BLOCKSIZE}, nested block scales, {args.dtype} activations) on the "
