@@ -154,30 +154,36 @@ inline float bnb_mm_weight(float t, float s) {
     return float(T(t * s));
 }
 
-// sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = bnb_mm_weight<T>(table[nibble j], s);
-// two variants for the table's address space.
+// (d[0] + d[1]) + (d[2] + d[3]): four partial sums combined pairwise.
+inline float bnb_mm_sum4(thread const float* d) {
+    return (d[0] + d[1]) + (d[2] + d[3]);
+}
+
+// sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = bnb_mm_weight<T>(table[nibble j], s):
+// four partial sums (element j goes to sum j % 4, C / 4 fused multiply-adds each), combined pairwise
+// (see "Accumulation" above); two variants for the table's address space.
 template <typename T, uint C>
 inline float bnb_mm_dot_c(thread const uint* w, thread const float* x, constant float* lut, float s) {
-    float d = 0.0f;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
-        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
-        d += x[2u * j] * hi + x[2u * j + 1u] * lo;
+        const uint q = 2u * (j & 1u);
+        d[q] = fma(x[2u * j], bnb_mm_weight<T>(lut[b >> 4], s), d[q]);
+        d[q + 1u] = fma(x[2u * j + 1u], bnb_mm_weight<T>(lut[b & 15u], s), d[q + 1u]);
     }
-    return d;
+    return bnb_mm_sum4(d);
 }
 
 template <typename T, uint C>
 inline float bnb_mm_dot_tg(thread const uint* w, thread const float* x, threadgroup const float* lut, float s) {
-    float d = 0.0f;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
-        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
-        d += x[2u * j] * hi + x[2u * j + 1u] * lo;
+        const uint q = 2u * (j & 1u);
+        d[q] = fma(x[2u * j], bnb_mm_weight<T>(lut[b >> 4], s), d[q]);
+        d[q + 1u] = fma(x[2u * j + 1u], bnb_mm_weight<T>(lut[b & 15u], s), d[q + 1u]);
     }
-    return d;
+    return bnb_mm_sum4(d);
 }
 
 // t[j] = bnb_mm_weight<T>(table[nibble j], s) of a chunk: its dequantized weights.
@@ -205,6 +211,16 @@ inline void bnb_mm_load(device const T* a, bool vec_ok, thread float* x) {
             x[j] = float(a[j]);
         }
     }
+}
+
+// The sum of v over the 32 lanes of a simdgroup, every lane getting the same bits: five levels of a
+// butterfly (lanes l and l ^ d add each other's partial sums; float addition commutes), i.e. pairwise
+// summation in a fixed order. simd_sum's order is not specified by Metal.
+inline float bnb_mm_lane_sum(float v) {
+    for (ushort d = 16; d > 0; d >>= 1) {
+        v += simd_shuffle_xor(v, d);
+    }
+    return v;
 }
 
 // y[m, n] = T(v (+ bias[n])).
@@ -279,7 +295,7 @@ template <typename T, bool NESTED, bool TG_TABLE>
         }
     }
     for (uint r = 0; r < R; ++r) {
-        const float v = simd_sum(acc[r]);
+        const float v = bnb_mm_lane_sum(acc[r]);
         if (lane == 0u && row0 + r < N) {
             bnb_mm_store(out, bias, flags, m, row0 + r, N, v);
         }
@@ -346,11 +362,11 @@ template <typename T, bool NESTED>
                 float x[C];
                 bnb_mm_load<C>(A + (m0 + i) * lda + k, vec_ok, x);
                 for (uint r = 0; r < R; ++r) {
-                    float d = 0.0f;
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     for (uint j = 0; j < C; ++j) {
-                        d += x[j] * t[r][j];
+                        d[j & 3u] = fma(x[j], t[r][j], d[j & 3u]);
                     }
-                    acc[i][r] += d;
+                    acc[i][r] += bnb_mm_sum4(d);
                 }
             }
         }
@@ -358,7 +374,7 @@ template <typename T, bool NESTED>
     for (uint i = 0; i < MT; ++i) {
         if (i < mcount) {  // uniform over the threadgroup
             for (uint r = 0; r < R; ++r) {
-                const float v = simd_sum(acc[i][r]);
+                const float v = bnb_mm_lane_sum(acc[i][r]);
                 if (lane == 0u && row0 + r < N) {
                     bnb_mm_store(out, bias, flags, m0 + i, row0 + r, N, v);
                 }
@@ -486,6 +502,9 @@ template <typename T, bool NESTED>
             smem[WS + (wc + j) * BN + wr] = v[j];
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
+        // This step's BK terms in fresh tiles (a chain of BK fused multiply-adds per element), then
+        // added to the running sums (see "Accumulation" above).
+        simdgroup_float8x8 part[2][4];
         for (uint kk = 0; kk < BK; kk += 8u) {
             simdgroup_float8x8 a[2];
             simdgroup_float8x8 b[4];
@@ -497,8 +516,18 @@ template <typename T, bool NESTED>
             }
             for (uint i = 0; i < 2u; ++i) {
                 for (uint j = 0; j < 4u; ++j) {
-                    simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+                    if (kk == 0u) {
+                        simdgroup_multiply(part[i][j], a[i], b[j]);
+                    } else {
+                        simdgroup_multiply_accumulate(part[i][j], a[i], b[j], part[i][j]);
+                    }
                 }
+            }
+        }
+        for (uint i = 0; i < 2u; ++i) {
+            for (uint j = 0; j < 4u; ++j) {
+                thread float2& sum = acc[i][j].thread_elements();  // this thread's 2 elements
+                sum = sum + part[i][j].thread_elements();
             }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
