@@ -97,6 +97,7 @@
 #define BNB_MMA_BN 64u   // rows of W (output columns) per threadgroup
 #define BNB_MMA_BK 32u   // K per step
 #define BNB_MMA_THREADS 128u
+#define BNB_MMA_GROUP 8u  // K steps per group of the two-level running sums (256 terms)
 
 inline constant float* bnb_mm_table(constant float* code, uint table) {
     return table == BNB_TABLE_NF4 ? bnb_nf4_table : (table == BNB_TABLE_FP4 ? bnb_fp4_table : code);
@@ -484,10 +485,14 @@ template <typename T, bool NESTED>
     const uint ar = tid >> 2, ac = (tid & 3u) * 8u;
     const uint wr = tid >> 1, wc = (tid & 1u) * 16u;
 
+    // Running sums on two levels (see "Accumulation" above): `group` adds up the steps of a group of
+    // BNB_MMA_GROUP K steps, `acc` the groups.
     simdgroup_float8x8 acc[2][4];
+    simdgroup_float8x8 group[2][4];
     for (uint i = 0; i < 2u; ++i) {
         for (uint j = 0; j < 4u; ++j) {
             acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            group[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         }
     }
     for (uint k0 = 0; k0 < K; k0 += BK) {
@@ -524,10 +529,17 @@ template <typename T, bool NESTED>
                 }
             }
         }
+        // (thread_elements: this thread's two elements of a tile, the same two of every tile)
+        const bool group_end = (k0 / BK + 1u) % BNB_MMA_GROUP == 0u || k0 + BK >= K;  // uniform
         for (uint i = 0; i < 2u; ++i) {
             for (uint j = 0; j < 4u; ++j) {
-                thread float2& sum = acc[i][j].thread_elements();  // this thread's 2 elements
-                sum = sum + part[i][j].thread_elements();
+                thread float2& g = group[i][j].thread_elements();
+                g = g + part[i][j].thread_elements();
+                if (group_end) {
+                    thread float2& sum = acc[i][j].thread_elements();
+                    sum = sum + g;
+                    g = float2(0.0f);
+                }
             }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
