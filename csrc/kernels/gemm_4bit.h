@@ -15,7 +15,7 @@
 //                        128-bit load and that chunk's block scale once (a chunk never spans two
 //                        blocks, so even at blocksize 32 no two lanes load the same scale), and
 //                        dequantizes the 32 weights with it (see "Rounding" below); one
-//                        simd_sum per row at the end; no threadgroup barrier (the
+//                        sum over the lanes per row at the end; no threadgroup barrier (the
 //                        threadgroup-table variant has one, before the loop). Needs K % 32 == 0.
 //   bnb_gemm_4bit_batch  2 <= M <= 8 (small batch), and M = 1 when K % 32 != 0. The same weight
 //                        walk with 8-byte (16-nibble) chunks, 4 simdgroups x 2 rows per
@@ -26,7 +26,7 @@
 //                        (A rows x W rows) per threadgroup of 4 simdgroups, K in steps of 32:
 //                        the A tile and the dequantized W tile are staged in threadgroup memory
 //                        as float, each simdgroup multiplies a 16x32 part with simdgroup_matrix
-//                        8x8 float tiles (fp32 accumulation), the result goes through
+//                        8x8 float tiles (float32 sums, see "Accumulation"), the result goes through
 //                        threadgroup memory to add bias, round and store with bounds checks.
 //
 // Why a chunk of C nibbles (C = 32 gemv, 16 batch) can carry one scale: with K % C == 0 a chunk
@@ -45,6 +45,25 @@
 // indexed per-thread table is needed); factoring the scale out of a chunk's sum
 // (scale * sum(a * table[q])) would round differently, and lose a * table[q] where it is a float32
 // subnormal while a * w is not. The mma kernel stages the same w in threadgroup memory.
+//
+// Accumulation: every output element is a float32 sum of K terms, formed as short independent
+// partial sums combined in a tree, never as one running sum over K (whose rounding error grows with
+// every term; docs/semantics.md section 4 states the bound, measured against CUDA's):
+//   gemv, batch  a lane's chunk of C weights per row is summed as four partial sums of C / 4 fused
+//                multiply-adds (element j into sum j % 4), combined pairwise ((d0 + d1) + (d2 + d3));
+//                the chunk sums of a lane's K steps are added to one running sum per row (K / 1024
+//                of them in gemv, K / 512 in batch), and the 32 lanes' sums are combined by a
+//                five-level butterfly of simd_shuffle_xor (bnb_mm_lane_sum), a fixed pairwise order
+//                that every lane gets bit for bit (simd_sum's order is unspecified).
+//   mma          each K step (BK = 32) multiplies into fresh tiles (simdgroup_multiply, then
+//                simdgroup_multiply_accumulate: a chain of 32 fused multiply-adds per element, as
+//                Apple GPUs compute these products); the step's tiles are added elementwise
+//                (thread_elements) to group tiles, which sum BNB_MMA_GROUP = 8 steps (256 terms),
+//                and each finished group is added to the running sums, which therefore take one
+//                addition per 256 terms of K. Registers: three sets of 8 tiles (2 floats per thread
+//                each) instead of one; no more threadgroup memory, barriers or memory traffic.
+// A term therefore goes through at most 14 + ceil(K / 1024) roundings in gemv, 10 + ceil(K / 512) in
+// batch and 38 + ceil(K / 256) in mma, one more with a bias (one running sum over K: K roundings).
 //
 // Memory access (coalescing): in the gemv kernel lane l of a simdgroup reads bytes
 // [16l, 16l + 16) of a 512-byte run of one weight row per step, so the 32 lanes' loads of a row
