@@ -450,7 +450,7 @@ def test_kernel_check_on_the_shader_tier_through_the_model_of_torchs_mps_runtime
     assert got["kernels"] == want["kernels"] and got["ops"] == want["ops"]
     for key in ("loss_kernels", "max_abs_logit_diff", "max_rel_logit_diff", "same_tokens"):
         assert got[key] == want[key], key
-    assert got["bound"]["max_product_ulps"] == want["bound"]["max_product_ulps"]
+    assert got["bound"]["max_product_units"] == want["bound"]["max_product_units"]
 
 
 def test_no_kernel_check_leaves_none(emulated_run):
