@@ -43,8 +43,8 @@ class FaultingExecutor:
         self.far = uint64(FAR_ELEMENTS).to_bytes()
         self.faults = 0
 
-    def launch(self, kernel, *, grid, threadgroup, args) -> None:
-        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+    def launch(self, kernel, *, grid, threadgroup, args, watch=None) -> None:
+        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, watch=watch)
         self.fault.launch(FAULT_NAME, (1, 1, 1), (32, 1, 1), [self.target, self.far])
         self.faults += 1
 

@@ -12,6 +12,7 @@
 typedef unsigned long NSUInteger;
 typedef long NSInteger;
 typedef signed char BOOL;
+typedef double CFTimeInterval;  // (CoreFoundation's, which Foundation includes)
 #define YES ((BOOL)1)
 #define NO ((BOOL)0)
 #ifndef nil
