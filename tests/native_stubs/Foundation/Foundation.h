@@ -26,7 +26,9 @@ NS_ASSUME_NONNULL_BEGIN
 @end
 
 __attribute__((objc_root_class))
-@interface NSObject <NSObject>
+@interface NSObject <NSObject> {
+  Class isa;  // (as Apple's NSObject.h declares it)
+}
 + (instancetype)alloc;
 + (instancetype) new;
 - (instancetype)init;
