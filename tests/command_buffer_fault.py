@@ -33,13 +33,14 @@ class FaultingExecutor:
     name = "native"
     device_type = "mps"
 
-    def __init__(self, inner, fault_library) -> None:
+    def __init__(self, inner, fault_library, device: str = "mps") -> None:
+        """`device`: where the fault kernel's target lives (tests/metal_model's CPU stand-ins: "cpu")."""
         import torch
 
         from bnb_mps.kernel_args import uint64
 
         self.inner, self.fault = inner, fault_library
-        self.target = torch.zeros(32, dtype=torch.int32, device="mps")
+        self.target = torch.zeros(32, dtype=torch.int32, device=device)
         self.far = uint64(FAR_ELEMENTS).to_bytes()
         self.faults = 0
 

@@ -231,6 +231,9 @@ class MpsBindings:
     """A `_native.KernelLibrary` whose launches take CPU tensors: each is bound as an mps tensor over
     the same memory (what torch's MPS allocator hands the native executor on a Mac)."""
 
+    #: every kernel launched through the model, in order (the tests check the native path ran)
+    launched: list = []
+
     def __init__(self, library, model) -> None:
         self.library, self.model = library, model
         self.origin = library.origin
@@ -240,7 +243,8 @@ class MpsBindings:
     def launch(self, kernel, grid, threadgroup, args, watch=None):
         as_mps = self.model.as_mps
         bound = [as_mps(a) if isinstance(a, torch.Tensor) else a for a in args]
-        return self.library.launch(kernel, grid, threadgroup, bound, watch)
+        self.library.launch(kernel, grid, threadgroup, bound, watch)
+        MpsBindings.launched.append(kernel)
 
 
 def executor(native=None, model=None):

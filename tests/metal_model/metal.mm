@@ -2,9 +2,11 @@
 // documentation (test-side; see README.md): a device that compiles MSL source into libraries, their
 // functions and compute pipelines; command buffers with one compute encoder at a time, which record
 // setComputePipelineState/setBuffer/setBytes/dispatchThreadgroups; commit, which hands the buffer to
-// the modelled GPU (one thread running committed buffers in commit order, after the host has gone
+// the modelled GPU (one thread taking committed buffers in commit order, after the host has gone
 // on); then status, error, GPUStartTime/GPUEndTime and the completed handlers, called once the
-// buffer has run. Kernels run under the emulator through bnb::runtime(). Manual reference counting.
+// buffer has run. Kernels run under the emulator through bnb::runtime(): by default each dispatch
+// as it is encoded (bnb::Runtime::deferred says why), the buffer reporting it after its commit.
+// Manual reference counting.
 #include "model.h"
 
 #include <chrono>
@@ -92,11 +94,22 @@ bool valid_utf8(const std::string& text) {
 @implementation BNBModelBuffer {
   void* _contents;
   NSUInteger _length;
+  std::function<void()>* _release_memory;
 }
-- (instancetype)initWithContents:(void*)contents length:(NSUInteger)length {
+- (instancetype)initWithContents:(void*)contents
+                          length:(NSUInteger)length
+                   releaseMemory:(std::function<void()>)release_memory {
   _contents = contents;
   _length = length;
+  _release_memory = new std::function<void()>(std::move(release_memory));
   return self;
+}
+- (void)dealloc {
+  if (*_release_memory) {
+    (*_release_memory)();
+  }
+  delete _release_memory;
+  [super dealloc];
 }
 - (void*)contents {
   return _contents;
@@ -283,6 +296,7 @@ class Gpu {
 @interface MPSCommandBuffer ()
 - (void)modelRun;
 - (void)modelRecord:(const Dispatch&)dispatch;
++ (std::string)modelExecute:(const Dispatch&)dispatch;
 - (void)modelEncoderEnded;
 @end
 
@@ -335,6 +349,7 @@ class Gpu {
     }
     binding.address = reinterpret_cast<uint64_t>([model contents]) + offset;
     binding.length = offset <= [model length] ? [model length] - offset : 0;
+    binding.retained = std::shared_ptr<void>((void*)[model retain], [](void* held) { [(id)held release]; });
   }
   (*_bindings)[index] = binding;
 }
@@ -384,6 +399,8 @@ class Gpu {
   std::vector<Dispatch>* _dispatches;
   std::vector<MTLCommandBufferHandler>* _handlers;
   BNBModelComputeEncoder* _encoder;  // the open one, if any
+  double _eager_start, _eager_end;     // dispatches run as encoded: when they ran,
+  std::string* _eager_fault;           // and the first fault
 }
 + (MPSCommandBuffer*)commandBufferFromCommandQueue:(id<MTLCommandQueue>)commandQueue {
   return [[[self alloc] init] autorelease];
@@ -394,6 +411,7 @@ class Gpu {
   _status = MTLCommandBufferStatusNotEnqueued;
   _dispatches = new std::vector<Dispatch>();
   _handlers = new std::vector<MTLCommandBufferHandler>();
+  _eager_fault = new std::string();
   return self;
 }
 - (id<MTLComputeCommandEncoder>)computeCommandEncoder {
@@ -410,8 +428,30 @@ class Gpu {
   return [[_encoder retain] autorelease];
 }
 - (void)modelRecord:(const Dispatch&)dispatch {
+  if (bnb::runtime().deferred) {
+    std::lock_guard<std::mutex> lock(*_mutex);
+    _dispatches->push_back(dispatch);
+    return;
+  }
+  // Run in stream order now (see bnb::Runtime::deferred); the buffer reports it after its commit.
+  std::string fault;
+  {
+    std::lock_guard<std::mutex> lock(*_mutex);
+    if (!_eager_fault->empty()) {
+      return;  // (a buffer stops at its first fault)
+    }
+  }
+  const double start = bnb::host_time();
+  fault = [MPSCommandBuffer modelExecute:dispatch];
+  const double end = bnb::host_time();
   std::lock_guard<std::mutex> lock(*_mutex);
-  _dispatches->push_back(dispatch);
+  _eager_start = _eager_start == 0 ? start : _eager_start;
+  _eager_end = end;
+  *_eager_fault = fault;
+}
++ (std::string)modelExecute:(const Dispatch&)d {
+  return bnb::runtime().run ? bnb::runtime().run(d.library, d.kernel, d.grid, d.threadgroup, d.bindings)
+                            : "the Metal model has no runtime to run kernels with";
 }
 - (void)modelEncoderEnded {
   std::lock_guard<std::mutex> lock(*_mutex);
@@ -457,16 +497,23 @@ class Gpu {
     _status = MTLCommandBufferStatusScheduled;
     dispatches = *_dispatches;
   }
-  const double start = bnb::host_time();
+  double start = bnb::host_time();
   std::string fault;
   for (const Dispatch& d : dispatches) {
-    fault = bnb::runtime().run ? bnb::runtime().run(d.library, d.kernel, d.grid, d.threadgroup, d.bindings)
-                               : "the Metal model has no runtime to run kernels with";
+    fault = [MPSCommandBuffer modelExecute:d];
     if (!fault.empty()) {
       break;  // (the rest of the buffer does not run)
     }
   }
-  const double end = bnb::host_time();
+  double end = bnb::host_time();
+  {
+    std::lock_guard<std::mutex> lock(*_mutex);
+    if (_eager_start != 0) {  // (ran as encoded)
+      start = _eager_start;
+      end = _eager_end;
+      fault = *_eager_fault;
+    }
+  }
   std::vector<MTLCommandBufferHandler> handlers;
   {
     std::lock_guard<std::mutex> lock(*_mutex);
@@ -517,6 +564,7 @@ class Gpu {
   [_encoder release];
   [_error release];
   delete _handlers;
+  delete _eager_fault;
   delete _dispatches;
   delete _done;
   delete _mutex;

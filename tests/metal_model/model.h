@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,10 @@ NSError* bnb_model_error(const std::string& description, long code);
 @end
 
 @interface BNBModelBuffer : NSObject <MTLBuffer>
-- (instancetype)initWithContents:(void*)contents length:(NSUInteger)length;
+// `release_memory` runs when the buffer is deallocated (what keeps `contents` alive until then)
+- (instancetype)initWithContents:(void*)contents
+                          length:(NSUInteger)length
+                   releaseMemory:(std::function<void()>)release_memory;
 - (void*)contents;
 @end
 
@@ -52,6 +56,9 @@ struct Binding {
   uint64_t address = 0;
   uint64_t length = 0;
   std::string bytes;
+  // The bound MTLBuffer, retained until the command buffer is done with it (Metal's command buffers
+  // retain the resources their encoders bind, unless made with unretained references).
+  std::shared_ptr<void> retained;
 };
 
 // How the model compiles and runs kernels (the Python side installs the emulator here).
@@ -68,6 +75,13 @@ struct Runtime {
   std::function<uint64_t(const std::string& kernel)> max_threads;
   // seconds the modelled GPU waits before it starts a committed command buffer (the host goes on)
   double start_delay = 0.0;
+  // false (the default): each dispatch runs when it is encoded, in stream order with the CPU work
+  // torch's own ops do on the same CPU tensors (on a Mac those ops follow on the same stream, so they
+  // see the kernel's results; here they run on the host at once); the command buffer still reports
+  // completion (status, error, GPU times, handlers) only after its commit, asynchronously.
+  // true: dispatches run when the modelled GPU takes the committed buffer (nothing is computed
+  // before a commit: a test that the host never reads a result before synchronizing).
+  bool deferred = false;
 };
 Runtime& runtime();
 

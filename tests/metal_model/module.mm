@@ -25,15 +25,14 @@ py::dict* pipeline_limits = nullptr;
 at::Tensor as_mps(const at::Tensor& cpu) {
   TORCH_CHECK_VALUE(cpu.device().is_cpu(), "as_mps: expected a CPU tensor, got one on ", cpu.device());
   at::Storage storage = cpu.storage();
-  BNBModelBuffer* buffer = [[BNBModelBuffer alloc] initWithContents:storage.mutable_data() length:storage.nbytes()];
-  auto keep = new at::Storage(storage);
+  auto keep = std::make_shared<at::Storage>(storage);  // (the buffer's memory, alive while it is)
+  BNBModelBuffer* buffer = [[BNBModelBuffer alloc] initWithContents:storage.mutable_data()
+                                                             length:storage.nbytes()
+                                                      releaseMemory:[keep]() mutable { keep.reset(); }];
   return at::for_blob((void*)buffer, cpu.sizes())
       .strides(cpu.strides())
       .storage_offset(cpu.storage_offset())
-      .deleter([buffer, keep](void*) {
-        [buffer release];
-        delete keep;
-      })
+      .deleter([buffer](void*) { [buffer release]; })
       .options(cpu.options().device(c10::Device(c10::DeviceType::MPS, 0)))
       .target_device(c10::Device(c10::DeviceType::MPS, 0))
       .make_tensor();
@@ -113,6 +112,9 @@ PYBIND11_MODULE(_metal_model, m) {
   m.def(
       "set_start_delay", [](double seconds) { bnb::runtime().start_delay = seconds; },
       "Seconds the modelled GPU waits before it starts each committed command buffer.");
+  m.def(
+      "set_deferred", [](bool deferred) { bnb::runtime().deferred = deferred; },
+      "True: dispatches run only once their command buffer is committed (see tests/metal_model/model.h).");
   m.def("as_mps", &as_mps, py::arg("tensor"));
   m.def("synchronize", &synchronize, "torch.mps.synchronize() on the modelled stream: commit and wait.");
   m.def("commit", &commit, "Commit the stream's command buffer without waiting (torch's SyncType::COMMIT).");
