@@ -39,7 +39,7 @@ class FaultingExecutor:
 
         from bnb_mps.kernel_args import uint64
 
-        self.inner, self.fault = inner, fault_library
+        self.inner, self.fault, self.device_type = inner, fault_library, device
         self.target = torch.zeros(32, dtype=torch.int32, device=device)
         self.far = uint64(FAR_ELEMENTS).to_bytes()
         self.faults = 0

@@ -8,6 +8,7 @@ model (a completed handler added to a committed buffer, dispatch_sync onto the q
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -184,7 +185,7 @@ def test_a_watch_sees_each_command_buffer_and_its_gpu_times(model):
     assert unwatched.errors(0.5) == [] and unwatched.gpu_times() == []  # (an empty grid: no buffer to watch)
 
 
-def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(model, tier):
+def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(model, tier, monkeypatch):
     """tests/command_buffer_fault.py on the model: a kernel writing far outside its buffer after each
     launch of a family; the emulator's fault fails the command buffer, whose completed handler (the
     watch of csrc/mps_ops.mm) gives verification Metal's error text."""
@@ -192,6 +193,12 @@ def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(mo
     from bnb_mps.msl import source
     from bnb_mps.ops import verify as verification
 
+    from bnb_mps.ops.verify import first_use, runner
+
+    # (verification synchronizes its device with torch.mps.synchronize(); the stand-ins' device is the
+    # model's stream)
+    for module in (runner, first_use):
+        monkeypatch.setattr(module, "synchronize", lambda device: model.synchronize())
     native = built_native(model)
     fault = metal_model.MpsBindings(native.compile_library(cbf.FAULT_KERNEL.read_text()), model)
     faulting = cbf.FaultingExecutor(tier, fault, device="cpu")
@@ -200,9 +207,19 @@ def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(mo
     assert faulting.faults > 0
     assert not v.passed and v.could_not_run and v.device_error, v.describe()
     assert "Execution of the command buffer was aborted due to an error during execution" in v.describe()
-    assert verification.cache_key("native", source.source_hash(), tier)  # (the key exists; nothing stored:)
+    assert "GPU reported an error" in v.describe()
+    key = verification.cache_key("native", source.source_hash(), faulting)
+
+    def stored() -> dict:
+        try:
+            return json.loads(verification.cache_path().read_text()).get(key, {})
+        except (OSError, ValueError):
+            return {}
+
+    assert "int8_quant" not in stored()  # (verified again by the next process)
     clean = verification.verdict("int8_quant", "native", tier, refresh=True)
     assert clean.passed, clean.describe()
+    assert "int8_quant" in stored()
 
 
 def test_launch_errors_are_python_errors(model, tier):
