@@ -333,7 +333,7 @@ struct CommandBufferWatch::State {
 namespace {
 
 // The completed handler of a watched command buffer: records its status, its error's text and its
-// GPU start and end times (seconds, on the host's mach_absolute_time clock: CFTimeInterval), then
+// GPU start and end times (host time in seconds, CFTimeInterval, as Apple documents them), then
 // counts it as reported. It runs on a Metal thread; the block keeps the state alive.
 MTLCommandBufferHandler watch_handler(std::shared_ptr<CommandBufferWatch::State> state) {
   return ^(id<MTLCommandBuffer> buffer) {

@@ -9,7 +9,6 @@ model (a completed handler added to a committed buffer, dispatch_sync onto the q
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ import torch
 import metal_model
 import mps_families as fam
 from bnb_mps.kernel_args import uint32
-
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 ADD_ONE = """#include <metal_stdlib>
 using namespace metal;
@@ -240,5 +237,25 @@ def test_launch_errors_are_python_errors(model, tier):
     with pytest.raises(PipelineLimitError) as e:
         limited.launch("add_one", (1, 1, 1), (512, 1, 1), [model.as_mps(torch.zeros(4)), uint32(4).to_bytes()])
     assert (e.value.kernel, e.value.threads, e.value.maximum) == ("add_one", 512, 256)
+    assert limited.pipeline_info("add_one")["max_total_threads_per_threadgroup"] == 256
+    # (built as with the macOS 15 SDK on macOS 15: the run-time compile asks for Metal 3.2)
     assert native.language_version() == (3, 2) and tier.language_version == (3, 2)
-    assert math.isfinite(limited.pipeline_info("add_one")["max_total_threads_per_threadgroup"])
+
+
+def test_without_a_metal_device_the_errors_leave_no_autorelease_pool_open(model):
+    """Where Metal has no device, metal_device() throws: csrc/mps_ops.mm asks for it before each
+    autorelease pool, since a C++ exception unwinding through @autoreleasepool skips the pool's pop
+    (ARC does not clean up for exceptions), which would leave the pool open on the thread."""
+    native = built_native(model)
+    lib = native.compile_library(ADD_ONE)  # (its pipeline is made on first use, below)
+    depth = model.autorelease_pool_depth()
+    model.set_device_present(False)
+    try:
+        for call in (lambda: native.compile_library(ADD_ONE), lambda: native.load_metallib("/no/such.metallib"),
+                     lambda: lib.pipeline_info("add_one")):  # fmt: skip
+            with pytest.raises(RuntimeError, match=r"no Metal device \(torch.backends.mps.is_available\(\) is False\)"):
+                call()
+            assert model.autorelease_pool_depth() == depth
+    finally:
+        model.set_device_present(True)
+    assert lib.pipeline_info("add_one")["thread_execution_width"] == 32

@@ -134,7 +134,7 @@ def build() -> Path:
               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-D__MAC_15_0=150000", "-D__MAC_26_0=260000",
               "-isystem", str(STUBS), "-isystem", str(torch_include),
               "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"), "-isystem", python_include,
-              "-I", str(HERE), f"-D_BNB_TORCH={torch.__version__}"]  # fmt: skip
+              "-I", str(HERE), f"-D_BNB_TORCH={torch.__version__}"]  # (the last: objects keyed by torch)  # fmt: skip
     headers = sorted(STUBS.rglob("*.h")) + [HERE / "model.h"]
     built = [_compile([cxx.replace("++", ""), "-x", "c", "-c", "-fPIC", "-O1", "-I", objc_include],
                       HERE / "objc_shim.c", [], "objc_shim.c", objects)]  # fmt: skip
@@ -196,7 +196,12 @@ class EmulatorRuntime:
     def compile(self, source: bytes):
         from bnb_mps import emulator
 
-        library = emulator.Library(source.decode("utf-8"), name="metal-model.metal")
+        from bnb_mps.msl import source as kernel_source
+
+        text = source.decode("utf-8")
+        # (named as the emulated tier names a compile unit: the same text and name share its module cache)
+        unit = next((name for name, unit_text in kernel_source.units().items() if unit_text == text), "metal-model")
+        library = emulator.Library(text, name=f"{unit}.metal")
         names = library.kernels  # (compiles it: a compile error is the compiler's message)
         EmulatorRuntime.libraries.append(library)
         return len(EmulatorRuntime.libraries) - 1, list(names)

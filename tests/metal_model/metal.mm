@@ -51,6 +51,8 @@ std::vector<std::string> model_misuses(bool clear) {
 }
 
 void model_count_object(int delta) { live_objects += delta; }
+
+extern "C" void bnb_model_misuse_c(const char* what) { model_misuse(what); }
 long model_live_objects() { return live_objects.load(); }
 
 bool ascii(const std::string& text) {

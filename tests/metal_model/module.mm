@@ -13,6 +13,8 @@
 namespace py = pybind11;
 
 extern "C" size_t bnb_model_pool_height(void);
+extern "C" size_t bnb_model_pool_depth(void);
+void bnb_model_set_device_present(bool present);
 
 namespace {
 
@@ -124,4 +126,8 @@ PYBIND11_MODULE(_metal_model, m) {
   m.def("live_objects", &bnb::model_live_objects, "Objective-C objects of the model alive now.");
   m.def("autorelease_pool_height", [] { return bnb_model_pool_height(); },
         "Objects waiting in this thread's autorelease pools.");
+  m.def("autorelease_pool_depth", [] { return bnb_model_pool_depth(); },
+        "Autorelease pools open on this thread (pushed, not popped).");
+  m.def("set_device_present", &bnb_model_set_device_present, py::arg("present"),
+        "False: MPSDevice::device() is nil, as where Metal finds no GPU.");
 }

@@ -85,10 +85,17 @@ void objc_storeStrong(id* location, id value) {
   objc_release(old);
 }
 
-// The autorelease pools: one stack of pending objects per thread; a push returns its height.
+// The autorelease pools: per thread, a stack of pending objects and the stack of open pools (the
+// height of the objects when each was pushed). A push returns its depth as the marker; a pop releases
+// what its pool holds. Popping a pool while a pool pushed after it is still open means that one was
+// never popped (an exception unwound through its @autoreleasepool): recorded as a misuse.
 #define POOL_LIMIT (1 << 20)
 static __thread id* pool_items;
 static __thread size_t pool_height, pool_capacity;
+static __thread size_t* pool_marks;
+static __thread size_t pool_depth, pool_marks_capacity;
+
+void bnb_model_misuse_c(const char* what);  // (metal.mm)
 
 void bnb_model_pool_add(id object) {
   if (pool_height == pool_capacity) {
@@ -102,10 +109,27 @@ void bnb_model_pool_add(id object) {
   pool_items[pool_height++] = object;
 }
 
-void* objc_autoreleasePoolPush(void) { return (void*)(pool_height + 1); }
+void* objc_autoreleasePoolPush(void) {
+  if (pool_depth == pool_marks_capacity) {
+    pool_marks_capacity = pool_marks_capacity ? pool_marks_capacity * 2 : 16;
+    pool_marks = (size_t*)realloc(pool_marks, pool_marks_capacity * sizeof(size_t));
+  }
+  pool_marks[pool_depth++] = pool_height;
+  return (void*)pool_depth;
+}
 
 void objc_autoreleasePoolPop(void* marker) {
-  size_t height = (size_t)marker - 1;
+  size_t depth = (size_t)marker;
+  if (depth == 0 || depth > pool_depth) {
+    bnb_model_misuse_c("autorelease pool popped twice, or one never pushed");
+    return;
+  }
+  if (depth != pool_depth) {
+    bnb_model_misuse_c("autorelease pool popped while a pool pushed after it is still open (an exception "
+                       "unwound through an @autoreleasepool?)");
+  }
+  size_t height = pool_marks[depth - 1];
+  pool_depth = depth - 1;
   while (pool_height > height) {
     id object = pool_items[--pool_height];
     send(object, "release");
@@ -113,6 +137,7 @@ void objc_autoreleasePoolPop(void* marker) {
 }
 
 size_t bnb_model_pool_height(void) { return pool_height; }
+size_t bnb_model_pool_depth(void) { return pool_depth; }
 
 void objc_enumerationMutation(id object) {
   fprintf(stderr, "metal model: a collection was mutated while being enumerated\n");

@@ -49,8 +49,13 @@ MPSDevice* MPSDevice::getInstance() {
   return _device;
 }
 
+namespace {
+id<MTLDevice>* device_slot = nullptr;  // MPSDevice's _mtl_device (the model can take the device away)
+}  // namespace
+
 MPSDevice::MPSDevice() : _mtl_device(nil) {
   _mtl_device = [bnb_model_device() retain];
+  device_slot = &_mtl_device;
 }
 
 MPSDevice::~MPSDevice() {
@@ -149,3 +154,13 @@ MPSStream* getDefaultMPSStream() {
 }
 
 }  // namespace at::mps
+
+// The model's "no Metal device": MPSDevice::device() returns nil (as where Metal finds no GPU) until
+// the device is given back.
+void bnb_model_set_device_present(bool present) {
+  at::mps::MPSDevice::getInstance();
+  id<MTLDevice> device = present ? bnb_model_device() : nil;
+  [device retain];
+  [*at::mps::device_slot release];
+  *at::mps::device_slot = device;
+}
