@@ -116,9 +116,11 @@ def _calls():
     return calls
 
 
-def test_the_native_tier_computes_the_emulated_tiers_bits(model, tier):
-    """With tuning off (the CPU key never tunes), every call equals the emulated tier's, bit for bit."""
+def test_the_native_tier_computes_the_emulated_tiers_bits(model, tier, monkeypatch):
+    """With tuning off, every call equals the emulated tier's, bit for bit."""
     from bnb_mps.testing import use_emulated_kernels
+
+    monkeypatch.setenv("BNB_MPS_TUNE", "0")
 
     for name, call in _calls().items():
         before = len(metal_model.MpsBindings.launched)
