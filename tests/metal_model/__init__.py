@@ -145,7 +145,7 @@ def build() -> Path:
     objc_libs = ["-L", objc_lib, f"-Wl,-rpath,{objc_lib}", "-lobjc", "-lBlocksRuntime", "-ldl"]
     _run([cxx, "-shared", "-Wl,-soname,_metal_model.so", *map(str, built), *torch_libs, *objc_libs,
           "-o", str(work / "_metal_model.so")], "linking _metal_model.so")  # fmt: skip
-    # csrc/mps_ops.mm exactly as the Mac build compiles it (ARC), with the kernel header the build makes
+    # csrc/mps_ops.mm as the Mac build compiles it (ARC; the GNUstep ABI), with the kernel header the build makes
     _run([sys.executable, str(REPO / "bnb_mps" / "executors" / "_embed_kernels.py"), "--header",
           str(work / "bnb_mps_kernels_embedded.h")], "generating the kernel header")  # fmt: skip
     native = _compile([cxx, "-x", "objective-c++", "-c", "-fobjc-arc", *OBJC_FLAGS, *common,
