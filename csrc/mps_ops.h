@@ -119,10 +119,14 @@ class KernelLibrary {
 //   handler that has run, in seconds (CFTimeInterval, one clock for every buffer): the GPU's own
 //   times of the buffer, host encoding and waiting excluded. A batch of launches took
 //   max(end) - min(start) of the pairs of its watch (a pair with end <= start is no measurement).
+// `track()` instead adds the handler to the stream's current command buffer after the fact (on the
+// stream's queue, through addCompletedHandler): the buffer of what was encoded last only if no other
+// thread committed it meanwhile, so launches that can be given the watch should be.
 // The launch path never reads a watch.
 class CommandBufferWatch {
  public:
   CommandBufferWatch();
+  void track();
   std::vector<std::string> errors(double timeout_seconds);
   std::vector<std::pair<double, double>> gpu_times() const;
 

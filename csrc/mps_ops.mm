@@ -442,6 +442,18 @@ void KernelLibrary::encode(const std::string& kernel, const Dim3& grid, const Di
 
 CommandBufferWatch::CommandBufferWatch() : state_(std::make_shared<State>()) {}
 
+void CommandBufferWatch::track() {
+  state_->expect();
+  try {
+    // On the stream's serial queue: the handler goes to its current command buffer (PyTorch owns it
+    // and commits it; this only listens).
+    at::mps::getCurrentMPSStream()->addCompletedHandler(watch_handler(state_));
+  } catch (...) {
+    state_->cancel();
+    throw;
+  }
+}
+
 std::vector<std::string> CommandBufferWatch::errors(double timeout_seconds) {
   std::unique_lock<std::mutex> lock(state_->mutex);
   const bool all = state_->reported.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
@@ -540,6 +552,14 @@ PYBIND11_MODULE(_native, m) {
           py::arg("timeout") = 5.0,
           "After a synchronisation: the error text of every watched command buffer that failed (see "
           "csrc/mps_ops.h).")
+      .def(
+          "track",
+          [](bnb_mps::CommandBufferWatch& self) {
+            py::gil_scoped_release no_gil;  // (waits for the stream's queue)
+            translate_errors([&] { self.track(); });
+          },
+          "Watch the current command buffer of PyTorch's MPS stream (after the fact: see csrc/mps_ops.h; "
+          "a launch given the watch is watched without a race).")
       .def("gpu_times", &bnb_mps::CommandBufferWatch::gpu_times,
            "After errors() has waited: the (GPUStartTime, GPUEndTime) pair, in seconds, of each watched "
            "launch's command buffer that has reported (see csrc/mps_ops.h).");

@@ -52,6 +52,9 @@ class FaultingExecutor:
     def watch_command_buffers(self):
         return self.inner.watch_command_buffers()
 
+    def synchronize(self) -> None:  # (verification waits through its executor)
+        self.inner.synchronize()
+
 
 def run(family: str = "int8_quant") -> dict[str, Any]:
     """Verifies `family` through FaultingExecutor, then cleanly; what came out (see the module docstring)."""

@@ -179,12 +179,17 @@ def test_a_watch_sees_each_command_buffer_and_its_gpu_times(model):
     assert times[0][1] <= times[2][0] and times[2][1] <= times[4][0]
     assert max(e for _, e in times) - min(s for s, _ in times) > 0
     assert torch.equal(x, torch.full((96,), 6.0))
+    tracked = native.CommandBufferWatch()  # (after the fact: the stream's current buffer)
+    add.launch("add_one", (3, 1, 1), (32, 1, 1), [model.as_mps(x), uint32(96).to_bytes()])
+    tracked.track()
+    model.synchronize()
+    assert tracked.errors(5.0) == [] and len(tracked.gpu_times()) == 1
     unwatched = native.CommandBufferWatch()
     add.launch("add_one", (0, 1, 1), (32, 1, 1), [model.as_mps(x), uint32(96).to_bytes()], unwatched)
     assert unwatched.errors(0.5) == [] and unwatched.gpu_times() == []  # (an empty grid: no buffer to watch)
 
 
-def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(model, tier, monkeypatch):
+def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(model, tier):
     """tests/command_buffer_fault.py on the model: a kernel writing far outside its buffer after each
     launch of a family; the emulator's fault fails the command buffer, whose completed handler (the
     watch of csrc/mps_ops.mm) gives verification Metal's error text."""
@@ -192,12 +197,6 @@ def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(mo
     from bnb_mps.msl import source
     from bnb_mps.ops import verify as verification
 
-    from bnb_mps.ops.verify import first_use, runner
-
-    # (verification synchronizes its device with torch.mps.synchronize(); the stand-ins' device is the
-    # model's stream)
-    for module in (runner, first_use):
-        monkeypatch.setattr(module, "synchronize", lambda device: model.synchronize())
     native = built_native(model)
     fault = metal_model.MpsBindings(native.compile_library(cbf.FAULT_KERNEL.read_text()), model)
     faulting = cbf.FaultingExecutor(tier, fault, device="cpu")

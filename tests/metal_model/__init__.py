@@ -268,6 +268,7 @@ def executor(native=None, model=None):
     ex = native_tier.NativeExecutor(native_tier._open_library(module), native.CommandBufferWatch)
     ex.language_version = native_tier.runtime_language_version(native)
     ex.device_type = "cpu"  # (its tensors here: CPU tensors standing in for mps ones)
+    ex.synchronize = model.synchronize  # (torch.mps.synchronize() of the modelled stream)
     return ex
 
 
