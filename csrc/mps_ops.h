@@ -40,6 +40,8 @@ struct PipelineLimit : std::runtime_error {
   uint64_t maximum;  // the pipeline's maxTotalThreadsPerThreadgroup
 };
 
+class CommandBufferWatch;
+
 // Threadgroups per grid, or threads per threadgroup: (x, y, z).
 using Dim3 = std::array<uint64_t, 3>;
 
@@ -88,8 +90,10 @@ class KernelLibrary {
   // Encodes `kernel` over `grid` threadgroups of `threadgroup` threads on PyTorch's current MPS
   // stream. Asynchronous: never ends the encoder, commits or waits. A grid with a zero dimension
   // encodes nothing; a threadgroup above the pipeline's maximum throws PipelineLimit.
+  // With a `watch`, the command buffer that holds the dispatch gets the watch's completed handler,
+  // attached on the stream's queue in the same step as the dispatch (see CommandBufferWatch).
   void launch(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
-              const std::vector<KernelArg>& args);
+              const std::vector<KernelArg>& args, CommandBufferWatch* watch = nullptr);
 
   struct Impl;
 
@@ -97,26 +101,39 @@ class KernelLibrary {
   explicit KernelLibrary(std::unique_ptr<Impl> impl);
   // The body of launch(), run inside its autorelease pool.
   void encode(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
-              const std::vector<KernelArg>& args);
+              const std::vector<KernelArg>& args, CommandBufferWatch* watch);
   std::unique_ptr<Impl> impl_;
 };
 
-// Whether the GPU ran the command buffers that hold some launches, which torch's synchronize() does
-// not say (it waits for a command buffer but never reads its status). `track()`, right after a
-// launch, adds a completed handler to the command buffer of PyTorch's current MPS stream (the one
-// that launch was encoded into); after a synchronisation, `errors()` waits (at most
-// `timeout_seconds`) until every tracked buffer has reported and returns the error text of each
-// that failed (a GPU page fault, a watchdog timeout, ...), plus a line if some did not report in
-// time. First-use verification (bnb_mps/ops/verify) reads it; the launch path never does.
+// What the GPU reports of the command buffers that hold some launches: whether it ran them, which
+// torch's synchronize() does not say (it waits for a command buffer but never reads its status),
+// and when. A launch given the watch (KernelLibrary::launch) adds the watch's completed handler to
+// the command buffer of PyTorch's current MPS stream that holds it, inside the launch's own
+// dispatch_sync on the stream's queue (so it cannot land on a later buffer, or on one already
+// committed). Each watched launch adds one handler, so a buffer that holds several reports several
+// times. After a synchronisation:
+// - `errors()` waits (at most `timeout_seconds`) until every handler has run and returns the error
+//   text of each buffer that failed (a GPU page fault, a watchdog timeout, ...), plus a line if some
+//   did not report in time. First-use verification (bnb_mps/ops/verify) reads it.
+// - `gpu_times()`, after errors() has waited, returns the (GPUStartTime, GPUEndTime) pair of each
+//   handler that has run, in seconds (CFTimeInterval, one clock for every buffer): the GPU's own
+//   times of the buffer, host encoding and waiting excluded. A batch of launches took
+//   max(end) - min(start) of the pairs of its watch (a pair with end <= start is no measurement).
+// `track()` instead adds the handler to the stream's current command buffer after the fact (on the
+// stream's queue, through addCompletedHandler): the buffer of what was encoded last only if no other
+// thread committed it meanwhile, so launches that can be given the watch should be.
+// The launch path never reads a watch.
 class CommandBufferWatch {
  public:
   CommandBufferWatch();
   void track();
   std::vector<std::string> errors(double timeout_seconds);
+  std::vector<std::pair<double, double>> gpu_times() const;
 
   struct State;
 
  private:
+  friend class KernelLibrary;  // (launch attaches the handler)
   std::shared_ptr<State> state_;
 };
 

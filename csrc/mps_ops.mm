@@ -165,6 +165,7 @@ struct KernelLibrary::Impl {
     if (found != pipelines.end()) {
       return found->second;
     }
+    id<MTLDevice> device = metal_device();  // (may throw: before the pool, never inside it)
     id<MTLComputePipelineState> state = nil;
     bool missing = false;
     std::string error;
@@ -175,7 +176,7 @@ struct KernelLibrary::Impl {
         missing = true;
       } else {
         NSError* failure = nil;
-        state = [metal_device() newComputePipelineStateWithFunction:function error:&failure];
+        state = [device newComputePipelineStateWithFunction:function error:&failure];
         if (state == nil) {
           error = describe(failure);
         }
@@ -223,6 +224,7 @@ std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source,
   if (source.empty()) {
     throw std::invalid_argument("kernel source is empty");
   }
+  id<MTLDevice> device = metal_device();  // (may throw: before the pool, never inside it)
   id<MTLLibrary> library = nil;
   bool bad_text = false;
   bool bad_version = false;
@@ -243,7 +245,7 @@ std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source,
       }
       if (!bad_version) {
         NSError* failure = nil;
-        library = [metal_device() newLibraryWithSource:text options:options error:&failure];
+        library = [device newLibraryWithSource:text options:options error:&failure];
         if (library == nil) {
           error = describe(failure);
         }
@@ -264,6 +266,7 @@ std::shared_ptr<KernelLibrary> KernelLibrary::compile(const std::string& source,
 }
 
 std::shared_ptr<KernelLibrary> KernelLibrary::load_metallib(const std::string& path) {
+  id<MTLDevice> device = metal_device();  // (may throw: before the pool, never inside it)
   id<MTLLibrary> library = nil;
   bool bad_path = false;
   std::string error;
@@ -273,7 +276,7 @@ std::shared_ptr<KernelLibrary> KernelLibrary::load_metallib(const std::string& p
       bad_path = true;
     } else {
       NSError* failure = nil;
-      library = [metal_device() newLibraryWithURL:[NSURL fileURLWithPath:ns_path] error:&failure];
+      library = [device newLibraryWithURL:[NSURL fileURLWithPath:ns_path] error:&failure];
       if (library == nil) {
         error = describe(failure);
       }
@@ -308,14 +311,61 @@ PipelineInfo KernelLibrary::pipeline_info(const std::string& kernel) {
                       state.staticThreadgroupMemoryLength};
 }
 
+// What a watch keeps: the tracked buffers not yet reported, and what each reported.
+struct CommandBufferWatch::State {
+  std::mutex mutex;
+  std::condition_variable reported;
+  size_t pending = 0;                              // tracked buffers whose handler has not run yet
+  std::vector<std::string> errors;                 // Metal's description of each failed one
+  std::vector<std::pair<double, double>> times;    // (GPUStartTime, GPUEndTime) of each that reported
+
+  void expect() {
+    std::lock_guard<std::mutex> lock(mutex);
+    ++pending;
+  }
+  void cancel() {  // an expected handler that was never attached
+    std::lock_guard<std::mutex> lock(mutex);
+    --pending;
+    reported.notify_all();
+  }
+};
+
+namespace {
+
+// The completed handler of a watched command buffer: records its status, its error's text and its
+// GPU start and end times (host time in seconds, CFTimeInterval, as Apple documents them), then
+// counts it as reported. It runs on a Metal thread; the block keeps the state alive.
+MTLCommandBufferHandler watch_handler(std::shared_ptr<CommandBufferWatch::State> state) {
+  return ^(id<MTLCommandBuffer> buffer) {
+    std::string error;
+    double start = 0.0, end = 0.0;
+    @autoreleasepool {  // (the error's description is autoreleased)
+      if (buffer.status == MTLCommandBufferStatusError) {
+        error = describe(buffer.error);
+      }
+      start = buffer.GPUStartTime;
+      end = buffer.GPUEndTime;
+    }
+    std::lock_guard<std::mutex> lock(state->mutex);
+    if (!error.empty()) {
+      state->errors.push_back(std::move(error));
+    }
+    state->times.emplace_back(start, end);
+    --state->pending;
+    state->reported.notify_all();
+  };
+}
+
+}  // namespace
+
 void KernelLibrary::launch(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
-                           const std::vector<KernelArg>& args) {
+                           const std::vector<KernelArg>& args, CommandBufferWatch* watch) {
   // The whole launch runs in one autorelease pool (what it creates is released when it returns, not
   // when some outer pool drains); an error is thrown only after the pool is left.
   std::exception_ptr failure;
   @autoreleasepool {
     try {
-      encode(kernel, grid, threadgroup, args);
+      encode(kernel, grid, threadgroup, args, watch);
     } catch (...) {
       failure = std::current_exception();
     }
@@ -326,12 +376,12 @@ void KernelLibrary::launch(const std::string& kernel, const Dim3& grid, const Di
 }
 
 void KernelLibrary::encode(const std::string& kernel, const Dim3& grid, const Dim3& threadgroup,
-                           const std::vector<KernelArg>& args) {
+                           const std::vector<KernelArg>& args, CommandBufferWatch* watch) {
   if (threadgroup[0] == 0 || threadgroup[1] == 0 || threadgroup[2] == 0) {
     throw std::invalid_argument("threadgroup of kernel '" + kernel + "' has a zero dimension");
   }
   if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
-    return;  // nothing to run
+    return;  // nothing to run (and no command buffer to watch)
   }
   check_args(kernel, args);
   id<MTLComputePipelineState> state = impl_->pipeline(kernel);
@@ -344,8 +394,21 @@ void KernelLibrary::encode(const std::string& kernel, const Dim3& grid, const Di
   const std::vector<KernelArg>* bound = &args;  // the block captures a pointer, not a copy
   const MTLSize groups = MTLSizeMake(grid[0], grid[1], grid[2]);
   const MTLSize group_size = MTLSizeMake(threadgroup[0], threadgroup[1], threadgroup[2]);
+  // A watched launch attaches its completed handler in the same block as the dispatch, so that it
+  // goes to the command buffer that holds this dispatch: once the block returns, another thread may
+  // commit that buffer (and a handler cannot be added to a committed one). Not through
+  // stream->addCompletedHandler, which would dispatch_sync on the queue this block runs on.
+  std::shared_ptr<CommandBufferWatch::State> watched = watch != nullptr ? watch->state_ : nullptr;
+  MTLCommandBufferHandler handler = nil;
+  if (watched) {
+    handler = watch_handler(watched);
+  }
+  __block bool attached = false;
   // C++ exceptions must not unwind through a GCD block: catch inside, rethrow on this thread.
   __block std::exception_ptr failure;
+  if (watched) {
+    watched->expect();
+  }
   dispatch_sync(stream->queue(), ^() {
     try {
       id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
@@ -361,50 +424,32 @@ void KernelLibrary::encode(const std::string& kernel, const Dim3& grid, const Di
         }
       }
       [encoder dispatchThreadgroups:groups threadsPerThreadgroup:group_size];
+      if (handler != nil) {
+        [stream->commandBuffer() addCompletedHandler:handler];  // (the buffer of the encoder above)
+        attached = true;
+      }
     } catch (...) {
       failure = std::current_exception();
     }
   });
+  if (watched && !attached) {
+    watched->cancel();
+  }
   if (failure) {
     std::rethrow_exception(failure);
   }
 }
 
-struct CommandBufferWatch::State {
-  std::mutex mutex;
-  std::condition_variable reported;
-  size_t pending = 0;               // tracked buffers whose handler has not run yet
-  std::vector<std::string> errors;  // Metal's description of each failed one
-};
-
 CommandBufferWatch::CommandBufferWatch() : state_(std::make_shared<State>()) {}
 
 void CommandBufferWatch::track() {
-  std::shared_ptr<State> state = state_;  // the handler keeps the state alive
-  {
-    std::lock_guard<std::mutex> lock(state->mutex);
-    ++state->pending;
-  }
+  state_->expect();
   try {
-    // On the stream's serial queue: the handler goes to its current command buffer (PyTorch owns
-    // it and commits it; this only listens).
-    at::mps::getCurrentMPSStream()->addCompletedHandler(^(id<MTLCommandBuffer> buffer) {
-      std::string error;
-      @autoreleasepool {  // (on a Metal thread: the error's description is autoreleased)
-        if (buffer.status == MTLCommandBufferStatusError) {
-          error = describe(buffer.error);
-        }
-      }
-      std::lock_guard<std::mutex> lock(state->mutex);
-      if (!error.empty()) {
-        state->errors.push_back(std::move(error));
-      }
-      --state->pending;
-      state->reported.notify_all();
-    });
+    // On the stream's serial queue: the handler goes to its current command buffer (PyTorch owns it
+    // and commits it; this only listens).
+    at::mps::getCurrentMPSStream()->addCompletedHandler(watch_handler(state_));
   } catch (...) {
-    std::lock_guard<std::mutex> lock(state->mutex);
-    --state->pending;
+    state_->cancel();
     throw;
   }
 }
@@ -419,6 +464,11 @@ std::vector<std::string> CommandBufferWatch::errors(double timeout_seconds) {
                   std::to_string(timeout_seconds) + " s");
   }
   return out;
+}
+
+std::vector<std::pair<double, double>> CommandBufferWatch::gpu_times() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->times;
 }
 
 std::pair<int, int> compile_language_version() {
@@ -491,6 +541,29 @@ PYBIND11_MODULE(_native, m) {
   pipeline_limit_error = limit_error.release().ptr();
   py::register_local_exception_translator(&translate_pipeline_limit);
 
+  py::class_<bnb_mps::CommandBufferWatch>(m, "CommandBufferWatch")
+      .def(py::init<>())
+      .def(
+          "errors",
+          [](bnb_mps::CommandBufferWatch& self, double timeout) {
+            py::gil_scoped_release no_gil;
+            return self.errors(timeout);
+          },
+          py::arg("timeout") = 5.0,
+          "After a synchronisation: the error text of every watched command buffer that failed (see "
+          "csrc/mps_ops.h).")
+      .def(
+          "track",
+          [](bnb_mps::CommandBufferWatch& self) {
+            py::gil_scoped_release no_gil;  // (waits for the stream's queue)
+            translate_errors([&] { self.track(); });
+          },
+          "Watch the current command buffer of PyTorch's MPS stream (after the fact: see csrc/mps_ops.h; "
+          "a launch given the watch is watched without a race).")
+      .def("gpu_times", &bnb_mps::CommandBufferWatch::gpu_times,
+           "After errors() has waited: the (GPUStartTime, GPUEndTime) pair, in seconds, of each watched "
+           "launch's command buffer that has reported (see csrc/mps_ops.h).");
+
   py::class_<bnb_mps::KernelLibrary, std::shared_ptr<bnb_mps::KernelLibrary>>(m, "KernelLibrary")
       .def_property_readonly("origin", &bnb_mps::KernelLibrary::origin)
       .def("function_names", &bnb_mps::KernelLibrary::function_names)
@@ -508,29 +581,14 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "launch",
           [](bnb_mps::KernelLibrary& self, const std::string& kernel, const bnb_mps::Dim3& grid,
-             const bnb_mps::Dim3& threadgroup, const py::sequence& args) {
+             const bnb_mps::Dim3& threadgroup, const py::sequence& args, bnb_mps::CommandBufferWatch* watch) {
             std::vector<bnb_mps::KernelArg> bound = to_kernel_args(args);
             py::gil_scoped_release no_gil;  // encoding may wait for the stream's queue
-            translate_errors([&] { self.launch(kernel, grid, threadgroup, bound); });
+            translate_errors([&] { self.launch(kernel, grid, threadgroup, bound, watch); });
           },
-          py::arg("kernel"), py::arg("grid"), py::arg("threadgroup"), py::arg("args"));
-
-  py::class_<bnb_mps::CommandBufferWatch>(m, "CommandBufferWatch")
-      .def(py::init<>())
-      .def("track",
-           [](bnb_mps::CommandBufferWatch& self) {
-             py::gil_scoped_release no_gil;  // (waits for the stream's queue)
-             translate_errors([&] { self.track(); });
-           })
-      .def(
-          "errors",
-          [](bnb_mps::CommandBufferWatch& self, double timeout) {
-            py::gil_scoped_release no_gil;
-            return self.errors(timeout);
-          },
-          py::arg("timeout") = 5.0,
-          "After a synchronisation: the error text of every tracked command buffer that failed (see "
-          "csrc/mps_ops.h).");
+          py::arg("kernel"), py::arg("grid"), py::arg("threadgroup"), py::arg("args"), py::arg("watch") = nullptr,
+          "`watch`: a CommandBufferWatch whose completed handler goes to the command buffer that holds "
+          "this launch (attached in the launch's own step on the stream's queue).");
 
   m.def(
       "compile_library",

@@ -4,7 +4,7 @@ facts as JSON.
     python scripts/acceptance_report.py --out DIR --work DIR [--dry-run] [--repo DIR]
 
 Reads what the shell script left in the work directory (`steps.tsv`: one line per step with its
-exit status, seconds and log; `junit.xml` from pytest; `verify_*.json` from the verification steps;
+exit status, seconds, log and whether it timed out; `junit.xml` from pytest; `verify_*.json` from the verification steps;
 `bench_*.json` from the benchmarks) and asks this Python (the acceptance venv's) about the machine:
 model, chip, memory, macOS, torch, bitsandbytes, the Metal language version the native library asks
 for, which executor tier loaded and which tier serves each op. Writes `acceptance-report.md` and `acceptance-report.json`
@@ -211,8 +211,15 @@ def git_info(repo: Path) -> dict[str, Any]:
 # -- what the steps left behind ---------------------------------------------------------------------
 
 
+#: how much of a timed-out step's output the report shows (its last lines)
+TIMED_OUT_LINES = 40
+
+
 def read_steps(path: Path) -> list[dict[str, Any]]:
-    """steps.tsv: `name<TAB>exit status<TAB>seconds<TAB>log file<TAB>note` per line."""
+    """steps.tsv: `name<TAB>exit status<TAB>seconds<TAB>log file<TAB>note<TAB>outcome<TAB>expected`
+    per line; outcome "timed out" when the step ran out of its time limit (scripts/time_limit.py),
+    expected "timed-out" for the dry run's planted hanging step. A step that timed out carries the
+    last TIMED_OUT_LINES lines of its log (`output`)."""
     steps = []
     if not path.is_file():
         return steps
@@ -221,10 +228,39 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
         if len(parts) < 3:
             continue
         rc = int(parts[1]) if parts[1].lstrip("-").isdigit() else None
-        steps.append({"name": parts[0], "status": rc, "seconds": float(parts[2] or 0),
-                      "log": parts[3] if len(parts) > 3 and parts[3] else None,
-                      "note": parts[4] if len(parts) > 4 and parts[4] else None})
+        step = {"name": parts[0], "status": rc, "seconds": float(parts[2] or 0),
+                "log": parts[3] if len(parts) > 3 and parts[3] else None,
+                "note": parts[4] if len(parts) > 4 and parts[4] else None,
+                "timed_out": len(parts) > 5 and parts[5] == "timed out",
+                "planted_hang": len(parts) > 6 and parts[6] == "timed-out"}
+        if step["timed_out"]:
+            step["output"] = _log_tail(step["log"])
+        steps.append(step)
     return steps
+
+
+def _log_tail(log: Optional[str]) -> str:
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines() if log else []
+    except OSError as e:
+        return f"(its log {log} cannot be read: {e})"
+    return "\n".join(lines[-TIMED_OUT_LINES:])
+
+
+def step_failed(step: dict[str, Any]) -> bool:
+    """A step failed when it exited with an error or timed out, and the planted hang when it did not
+    time out."""
+    if step.get("planted_hang"):
+        return not step.get("timed_out")
+    return bool(step.get("timed_out")) or step["status"] not in (0, None)
+
+
+def _step_result(step: dict[str, Any]) -> str:
+    if step.get("timed_out"):
+        return "timed out" + (" (as planted)" if step.get("planted_hang") else "")
+    if step.get("planted_hang"):
+        return f"DID NOT TIME OUT (exit status {step['status']})"
+    return "ok" if step["status"] == 0 else ("not run" if step["status"] is None else f"exit status {step['status']}")
 
 
 def parse_junit(path: Path) -> list[dict[str, Any]]:
@@ -498,7 +534,7 @@ def _counts(b: dict[str, Any]) -> str:
 
 
 def verdict(report: dict[str, Any]) -> str:
-    failed_steps = [s["name"] for s in report["steps"] if s["status"] not in (0, None)]
+    failed_steps = [s["name"] for s in report["steps"] if step_failed(s)]
     failed_tests = report["tests"]["totals"]["failed"] if report["tests"] else 0
     if failed_steps or failed_tests:
         what = ", ".join(failed_steps) or "tests"
@@ -545,9 +581,12 @@ def render_markdown(r: dict[str, Any]) -> str:
             ["shader tier (torch.mps.compile_shader)", metal.get("shader_tier")]]
     out.append(markdown_table(["", ""], rows))
     out += ["", "## Steps", ""]
-    rows = [[s["name"], "ok" if s["status"] == 0 else ("not run" if s["status"] is None else f"exit status {s['status']}"),
-             f"{s['seconds']:.0f} s", s.get("note") or ""] for s in r["steps"]]
+    rows = [[s["name"], _step_result(s), f"{s['seconds']:.0f} s", s.get("note") or ""] for s in r["steps"]]
     out.append(markdown_table(["step", "result", "time", "note"], rows))
+    for s in r["steps"]:
+        if s.get("timed_out"):
+            out += ["", f"### Timed out: {s['name']} (after {s['seconds']:.0f} s; the last lines of its output)", "",
+                    "```", (s.get("output") or "(no output)").replace("```", "` ` `"), "```"]
     t = r["tests"]
     if t:
         totals = t["totals"]

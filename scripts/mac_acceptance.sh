@@ -15,8 +15,10 @@
 # early, saying why, elsewhere. --dry-run exercises everything except the mps parts on any OS
 # (CI runs it on Linux): the venv reuses the invoking Python's packages instead of downloading
 # torch, bnb-mps is still installed into it with --no-build-isolation, and only a small part of
-# the test suite runs. Exit status: 0 when every step passed, 1 when one failed, 2 when the run
-# could not start.
+# the test suite runs, and a planted hanging step shows the time limit at work. Every step runs under
+# a time limit (scripts/time_limit.py); one that runs out is recorded as "timed out", with its
+# output, and the run goes on. Exit status: 0 when every step passed, 1 when one failed or timed
+# out, 2 when the run could not start.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,19 +59,35 @@ VENV=${VENV:-$WORK/venv}
 STEPS="$WORK/steps.tsv"
 : > "$STEPS"
 
-# step NAME LOG NOTE -- COMMAND...: runs COMMAND with its output in LOG (and on screen), records
-# exit status and seconds in steps.tsv. Returns the command's exit status. (bash 3.2, as macOS has.)
+# step NAME LOG NOTE LIMIT -- COMMAND...: runs COMMAND (a program or one of this script's functions)
+# under a time limit of LIMIT seconds (scripts/time_limit.py: macOS has no `timeout`), its output in
+# LOG (and on screen), and records exit status, seconds and whether it timed out in steps.tsv.
+# Returns the command's exit status (124 when it timed out: the run goes on to the next step).
+# EXPECT=timed-out before the call: the step is a planted hang, which passes only when it times out.
+# (bash 3.2, as macOS has.)
 step() {
-  local name=$1 log=$2 note=$3
-  shift 4
-  local start=$SECONDS rc
+  local name=$1 log=$2 note=$3 limit=$4
+  shift 5
+  local start=$SECONDS rc outcome="" mark="$WORK/.timed-out"
+  rm -f "$mark"
   say "$name"
-  "$@" 2>&1 | tee "$log"
+  if [ "$(type -t "$1")" = function ]; then  # (a function runs in a bash of its own, under the limit)
+    set -- bash -c "$(declare -f "$1"); \"\$@\"" bash "$@"
+  fi
+  "$PY" "$REPO/scripts/time_limit.py" "$limit" --mark "$mark" -- "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
-  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$log" "$note" >> "$STEPS"
+  [ -f "$mark" ] && outcome="timed out"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$log" "$note" "$outcome" \
+    "${EXPECT:-}" >> "$STEPS"
+  if [ "${EXPECT:-}" = timed-out ]; then
+    [ -n "$outcome" ]
+    return
+  fi
   return $rc
 }
-skip_step() { printf '%s\t\t0\t\t%s\n' "$1" "$2" >> "$STEPS"; }
+skip_step() { printf '%s\t\t0\t\t%s\t\t\n' "$1" "$2" >> "$STEPS"; }
+# What the functions run through `step` read (they run in a bash of their own).
+export REPO PY VENV DRY
 
 setup_venv() {
   rm -rf "$VENV"
@@ -103,7 +121,7 @@ FAILED=0
 if [ "$DRY" = 1 ]; then
   say "dry run: everything except the mps parts (no GPU is used; the venv reuses $PY's packages)"
 fi
-step "create the venv and install bnb-mps" "$WORK/setup.log" "$VENV" -- setup_venv \
+step "create the venv and install bnb-mps" "$WORK/setup.log" "$VENV" 3600 -- setup_venv \
   || die "setting up the venv failed; see $WORK/setup.log"
 
 if [ "$DRY" = 0 ]; then
@@ -113,7 +131,15 @@ if [ "$DRY" = 0 ]; then
   fi
 fi
 
-step "python -m bnb_mps" "$WORK/diagnostics.txt" "" -- "$VPY" -m bnb_mps || FAILED=1
+step "python -m bnb_mps" "$WORK/diagnostics.txt" "" 900 -- "$VPY" -m bnb_mps || FAILED=1
+
+if [ "$DRY" = 1 ]; then
+  # The time limit at work: a planted step that prints a line and hangs must be stopped at its limit,
+  # recorded as "timed out" with that line, and the run must go on.
+  EXPECT=timed-out step "a hanging step is stopped (planted, dry run)" "$WORK/planted_hang.log" \
+    "must time out after 3 s" 3 -- "$VPY" -c 'print("planted step: hanging now", flush=True); import time; time.sleep(3600)' \
+    || FAILED=1
+fi
 
 if [ "$DRY" = 1 ]; then
   # A small part of the suite: the mps suite's machinery and its mps tests (skipped here, which
@@ -126,7 +152,7 @@ else
   NOTE="whole suite, mps tests on the native and shader tiers"
 fi
 # BNB_MPS_ACCEPTANCE: the suite's own dry run of this script is skipped inside this run.
-step "test suite" "$WORK/pytest.log" "$NOTE" -- \
+step "test suite" "$WORK/pytest.log" "$NOTE" 7200 -- \
   env BNB_MPS_ACCEPTANCE=1 "$VPY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -o junit_family=xunit2 \
     --junitxml "$WORK/junit.xml" "${TESTS[@]}" || FAILED=1
 
@@ -134,17 +160,17 @@ step "test suite" "$WORK/pytest.log" "$NOTE" -- \
 # verification cache, then as every later process does, from the cache. Each run reports the tier's
 # load and kernel compile apart from the verification; the first one's compile is the cold one for
 # the emulated tier of a dry run (an empty module cache), whatever the user's cache holds.
-step "kernel verification (cold)" "$WORK/verify_cold.log" "" -- \
+step "kernel verification (cold)" "$WORK/verify_cold.log" "" 1800 -- \
   env BNB_MPS_CACHE_DIR="$WORK/verify-cache" BNB_MPS_VERIFY_CACHE="$WORK/verify-cache/verify.json" \
     "$VPY" -m bnb_mps verify --json "$WORK/verify_cold.json" || FAILED=1
-step "kernel verification (cached)" "$WORK/verify_cached.log" "" -- \
+step "kernel verification (cached)" "$WORK/verify_cached.log" "" 600 -- \
   env BNB_MPS_CACHE_DIR="$WORK/verify-cache" BNB_MPS_VERIFY_CACHE="$WORK/verify-cache/verify.json" \
     "$VPY" -m bnb_mps verify --cached --json "$WORK/verify_cached.json" || FAILED=1
 # A GPU fault during verification: a test-only kernel (tests/fault_kernels/address_fault.metal, compiled by
 # the native tier's compile path, never part of csrc/kernels) fails the command buffer of every launch of
 # one family. The family must come out as "could not be verified", with Metal's error text, and not be
 # cached; a clean verification right after must pass. (Not run where the native tier does not serve.)
-step "kernel verification meets a command-buffer error" "$WORK/verify_fault.log" "" -- \
+step "kernel verification meets a command-buffer error" "$WORK/verify_fault.log" "" 900 -- \
   env BNB_MPS_VERIFY_CACHE="$WORK/verify-fault-cache/verify.json" \
     "$VPY" "$REPO/tests/command_buffer_fault.py" --json "$WORK/verify_fault.json" || FAILED=1
 
@@ -153,17 +179,17 @@ step "kernel verification meets a command-buffer error" "$WORK/verify_fault.log"
 # PYTORCH_MPS_FAST_MATH=1 in a fresh process (with NaN tests and sqrt). The dry run probes the emulator.
 PROBE_ARGS=()
 [ "$DRY" = 1 ] && PROBE_ARGS=(--tier emulated --n 1024)
-step "math mode probes" "$WORK/probe_math_mode.log" "" -- \
+step "math mode probes" "$WORK/probe_math_mode.log" "" 1200 -- \
   "$VPY" "$REPO/scripts/probe_math_mode.py" ${PROBE_ARGS[@]+"${PROBE_ARGS[@]}"} --json "$WORK/probe_math_mode.json" \
   || FAILED=1
 
-step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" -- \
+step "kernel benchmarks (short)" "$WORK/bench_kernels.log" "" 1800 -- \
   "$VPY" "$REPO/scripts/bench_kernels.py" --short --json "$WORK/bench_kernels.json" \
     --chart "$OUT/bench_kernels.png" || FAILED=1
 
 # Host cost per op call: the op layer with a no-op launch against a trivial kernel, and on a Mac the
 # native tier's real launches (the pybind11 call and the encoding on PyTorch's stream).
-step "host cost per op call" "$WORK/bench_op_overhead.log" "" -- \
+step "host cost per op call" "$WORK/bench_op_overhead.log" "" 900 -- \
   "$VPY" "$REPO/scripts/bench_op_overhead.py" --native --rounds "$([ "$DRY" = 1 ] && echo 2 || echo 15)" \
     --calls "$([ "$DRY" = 1 ] && echo 50 || echo 2000)" --json "$WORK/bench_op_overhead.json" || FAILED=1
 
@@ -174,12 +200,12 @@ step "host cost per op call" "$WORK/bench_op_overhead.log" "" -- \
 # emulated tier (host-clock figures that mean nothing for a GPU).
 TUNE_ARGS=(--model Llama-3-8B)
 [ "$DRY" = 1 ] && TUNE_ARGS=(--tier emulated --shapes 64x128 --m 1,8,40)
-step "tuning (python -m bnb_mps tune)" "$WORK/tune.log" "${TUNE_ARGS[*]}" -- \
+step "tuning (python -m bnb_mps tune)" "$WORK/tune.log" "${TUNE_ARGS[*]}" 3600 -- \
   env BNB_MPS_TUNE_CACHE="$WORK/tune-cache.json" "$VPY" -m bnb_mps tune "${TUNE_ARGS[@]}" --json "$WORK/tune.json" \
     --chart "$OUT/tune.png" || FAILED=1
 
 if [ -f "$REPO/scripts/bench_optimizers.py" ]; then
-  step "optimizer benchmarks (short)" "$WORK/bench_optimizers.log" "" -- \
+  step "optimizer benchmarks (short)" "$WORK/bench_optimizers.log" "" 1800 -- \
     "$VPY" "$REPO/scripts/bench_optimizers.py" --short --json "$WORK/bench_optimizers.json" || FAILED=1
 else
   skip_step "optimizer benchmarks (short)" "scripts/bench_optimizers.py is not in this checkout yet"

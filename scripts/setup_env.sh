@@ -16,12 +16,14 @@ TORCH_VERSION=${BNB_MPS_TORCH_VERSION:-2.13.0}
 # the tests that need them are skipped otherwise:
 #   clang, clang-16: the emulator tests also compile kernels with clang++-16 (the first Debian
 #     clang with _Float16 on x86-64); clang++ syntax-checks the Objective-C++ executor;
-#   qemu-user, g++-aarch64-linux-gnu: run the emulator's aarch64 (Apple Silicon) fiber switch.
+#   qemu-user, g++-aarch64-linux-gnu: run the emulator's aarch64 (Apple Silicon) fiber switch;
+#   libobjc-12-dev (gcc's Objective-C runtime), libblocksruntime-dev: build and run the native
+#     executor (csrc/mps_ops.mm) against the Metal model of tests/metal_model.
 if { ! command -v clang++ || ! command -v clang++-16 || ! command -v qemu-aarch64 \
-     || ! command -v aarch64-linux-gnu-g++; } >/dev/null 2>&1 \
+     || ! command -v aarch64-linux-gnu-g++ || ! dpkg -s libobjc-12-dev libblocksruntime-dev; } >/dev/null 2>&1 \
     && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-     clang clang-16 qemu-user g++-aarch64-linux-gnu >/dev/null) \
+     clang clang-16 qemu-user g++-aarch64-linux-gnu libobjc-12-dev libblocksruntime-dev >/dev/null) \
     || echo "setup_env: optional tools could not be installed; the tests that need them are skipped" >&2
 fi
 

@@ -33,23 +33,27 @@ class FaultingExecutor:
     name = "native"
     device_type = "mps"
 
-    def __init__(self, inner, fault_library) -> None:
+    def __init__(self, inner, fault_library, device: str = "mps") -> None:
+        """`device`: where the fault kernel's target lives (tests/metal_model's CPU stand-ins: "cpu")."""
         import torch
 
         from bnb_mps.kernel_args import uint64
 
-        self.inner, self.fault = inner, fault_library
-        self.target = torch.zeros(32, dtype=torch.int32, device="mps")
+        self.inner, self.fault, self.device_type = inner, fault_library, device
+        self.target = torch.zeros(32, dtype=torch.int32, device=device)
         self.far = uint64(FAR_ELEMENTS).to_bytes()
         self.faults = 0
 
-    def launch(self, kernel, *, grid, threadgroup, args) -> None:
-        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+    def launch(self, kernel, *, grid, threadgroup, args, watch=None) -> None:
+        self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, watch=watch)
         self.fault.launch(FAULT_NAME, (1, 1, 1), (32, 1, 1), [self.target, self.far])
         self.faults += 1
 
     def watch_command_buffers(self):
         return self.inner.watch_command_buffers()
+
+    def synchronize(self) -> None:  # (verification waits through its executor)
+        self.inner.synchronize()
 
 
 def run(family: str = "int8_quant") -> dict[str, Any]:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,74 @@ def test_the_forced_command_buffer_error_in_the_report():
     assert "COULD NOT RUN ((after the launches)): GPU error" in md
 
 
+TIME_LIMIT = REPO / "scripts" / "time_limit.py"
+
+
+def test_a_command_that_runs_out_of_time_is_stopped_with_what_it_started(tmp_path):
+    """scripts/time_limit.py (macOS has no `timeout`): at the limit the command's whole process group
+    is stopped (a child it started too), the status is 124 as GNU timeout's, the mark file says so,
+    and the output written before the limit is kept."""
+    mark, pid_file = tmp_path / "mark", tmp_path / "child.pid"
+    hang = f"echo started; sleep 300 & echo $! > {pid_file}; wait"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(TIME_LIMIT), "2", "--mark", str(mark), "--", "bash", "-c", hang],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 124 and 2 <= time.monotonic() - t0 < 30
+    assert r.stdout.startswith("started") and "timed out after 2 s" in r.stderr
+    assert mark.read_text().strip() == "timed out"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # (a zombie is gone for our purpose)
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@pytest.mark.parametrize("script, status", [("exit 0", 0), ("exit 3", 3), ("kill -TERM $$", 128 + 15)])
+def test_a_command_within_its_limit_keeps_its_exit_status(tmp_path, script, status):
+    mark = tmp_path / "mark"
+    r = subprocess.run([sys.executable, str(TIME_LIMIT), "30", "--mark", str(mark), "--", "bash", "-c", script],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == status and not mark.exists() and "timed out" not in r.stderr
+
+
+def test_a_timed_out_step_is_reported_with_its_output_and_the_planted_hang_must_time_out(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hang.log").write_text("".join(f"line {i}\n" for i in range(100)) + "time_limit: timed out after 3 s\n")
+    (work / "tune.log").write_text("tuning...\n")
+    (work / "planted.log").write_text("planted step: hanging now\n")
+    rows = [("planted", 124, 3, work / "planted.log", "must time out", "timed out", "timed-out"),
+            ("tuning", 124, 3600, work / "tune.log", "", "timed out", ""),
+            ("after", 0, 1, "", "", "", "")]
+    (work / "steps.tsv").write_text("".join("\t".join(map(str, r)) + "\n" for r in rows))
+    steps = ar.read_steps(work / "steps.tsv")
+    assert [(s["timed_out"], s["planted_hang"]) for s in steps] == [(True, True), (True, False), (False, False)]
+    assert [ar.step_failed(s) for s in steps] == [False, True, False]
+    report = {"steps": steps, "tests": None, "dry_run": True}
+    assert ar.verdict(report) == "FAIL (0 failed tests; failed steps: tuning)"
+    planted_only = {**report, "steps": [steps[0], steps[2]]}
+    assert ar.verdict(planted_only).startswith("DRY RUN passed")
+    not_stopped = {**steps[0], "timed_out": False, "status": 0}
+    assert ar.step_failed(not_stopped) and ar._step_result(not_stopped).startswith("DID NOT TIME OUT")
+    assert ar._step_result(steps[0]) == "timed out (as planted)" and ar._step_result(steps[1]) == "timed out"
+    assert steps[1]["output"] == "tuning..." and steps[0]["output"] == "planted step: hanging now"
+    (work / "steps.tsv").write_text(f"hang\t124\t5\t{work}/hang.log\t\ttimed out\t\n")
+    (long,) = ar.read_steps(work / "steps.tsv")
+    lines = long["output"].splitlines()
+    assert len(lines) == ar.TIMED_OUT_LINES and lines[0] == "line 61" and lines[-1].startswith("time_limit: timed out")
+
+
 def test_refuses_to_run_without_apple_silicon(tmp_path):
     if sys.platform == "darwin":
         pytest.skip("this is a Mac")
@@ -182,13 +251,20 @@ def test_dry_run_completes_and_writes_its_report(tmp_path):
     md = (tmp_path / "acceptance-report.md").read_text()
     data = json.loads((tmp_path / "acceptance-report.json").read_text())
     assert data["dry_run"] and data["verdict"].startswith("DRY RUN passed")
-    assert [s["name"] for s in data["steps"]][:9] == ["create the venv and install bnb-mps", "python -m bnb_mps",
-                                                      "test suite", "kernel verification (cold)",
-                                                      "kernel verification (cached)",
-                                                      "kernel verification meets a command-buffer error",
-                                                      "math mode probes", "kernel benchmarks (short)",
-                                                      "host cost per op call"]
-    assert all(s["status"] == 0 for s in data["steps"][:9])
+    planted = "a hanging step is stopped (planted, dry run)"
+    assert [s["name"] for s in data["steps"]][:10] == ["create the venv and install bnb-mps", "python -m bnb_mps",
+                                                       planted, "test suite", "kernel verification (cold)",
+                                                       "kernel verification (cached)",
+                                                       "kernel verification meets a command-buffer error",
+                                                       "math mode probes", "kernel benchmarks (short)",
+                                                       "host cost per op call"]
+    # every step ran under a time limit: the planted hang was stopped at its 3 s, recorded as timed out
+    # with its output, and the run went on to the next steps, which passed
+    hang = data["steps"][2]
+    assert hang["timed_out"] and hang["status"] == 124 and 3 <= hang["seconds"] < 30
+    assert "planted step: hanging now" in hang["output"] and "timed out after 3 s" in hang["output"]
+    assert "| timed out (as planted) |" in md and "### Timed out: " + planted in md
+    assert all(s["status"] == 0 and not s["timed_out"] for s in data["steps"][:10] if s is not hang)
     # the float-semantics probes (the emulator here): every row rounds a*b + c twice, the fma control fuses
     rows = data["math_mode"]["rows"]
     assert {r["source"] for r in rows} == {"bare", "pinned"}

@@ -47,15 +47,16 @@ def test_the_project_source_is_stable_and_names_its_kernels():
 def test_the_source_pins_safe_math_and_no_contraction_before_any_kernel_code():
     # csrc/kernels/bnb_math_mode.h, first: no contraction at every Metal version, then for Metal >= 3.2
     # the METAL pragmas, all at file scope ahead of <metal_stdlib> and every kernel
+    # and the same lines again right after <metal_stdlib> (bnb_common.h), before any kernel code
     code = [line.strip() for line in strip_comments(kernel_source.source()).splitlines()]
+    code = [line for line in code if line and not line.startswith("#line ")]
     guard = "#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320"
-    assert code.count(guard) == 1
-    at = code.index(guard)
-    assert code[at + 1 : at + 4] == ["#pragma METAL fp math_mode(safe)", "#pragma METAL fp contract(off)", "#endif"]
-    before = [line for line in code[:at] if line and not line.startswith("#line ")]
-    assert before == ["#pragma clang fp contract(off)"]  # nothing of the kernels' own comes first
-    after = [line for line in code[at + 4 :] if line and not line.startswith("#line ")]
-    assert after[0] == "#include <metal_stdlib>"
+    pins = ["#pragma clang fp contract(off)", guard, "#pragma METAL fp math_mode(safe)",
+            "#pragma METAL fp contract(off)", "#endif"]  # fmt: skip
+    assert code.count(guard) == 2
+    assert code[:5] == pins  # nothing of the kernels' own comes first
+    at = code.index("#include <metal_stdlib>")
+    assert at == 5 and code[at + 1 : at + 6] == pins and code.count("#include <metal_stdlib>") == 1
     # and nothing later loosens it again
     loosening = re.compile(r"#\s*pragma\s+(METAL|clang)\s+fp\b.*\b(fast|relaxed|on)\b")
     assert not [line for line in code if loosening.search(line)]

@@ -172,6 +172,21 @@ def test_a_unit_without_the_contraction_pragma_first_fails_the_lint(tmp_path):
     assert _lint(kernels).stdout.count("[fp-contract]") == 5  # under a condition it pins nothing at 3.1
 
 
+def test_a_standard_library_not_followed_by_the_pragmas_fails_the_lint(tmp_path):
+    """A pragma of <metal_stdlib>'s own would hold for every kernel after it: the pragmas are repeated
+    right after it (bnb_common.h), and a unit without that repetition fails the rule fp-contract."""
+    kernels = _kernels_copy(tmp_path)
+    common = kernels / "bnb_common.h"
+    text = common.read_text()
+    repeated = "#include <metal_stdlib>\n"
+    start = text.index(repeated) + len(repeated)
+    end = text.index("#endif\n", start) + len("#endif\n")
+    assert "#pragma clang fp contract(off)" in text[start:end]
+    common.write_text(text[:start] + text[end:].replace("#pragma clang fp contract(off)\n", "", 1))
+    r = _lint(kernels)
+    assert r.returncode == 1 and r.stdout.count("[fp-contract]") == 5 and "right after <metal_stdlib>" in r.stdout
+
+
 @pytest.mark.parametrize("version", [310, 320, 400])
 def test_every_unit_preprocessed_at_each_language_version_pins_contraction_first(version):
     """What each tier hands Metal (one text per unit, local headers inlined), preprocessed as at Metal
@@ -188,9 +203,13 @@ def test_every_unit_preprocessed_at_each_language_version_pins_contraction_first
         assert math_mode.preprocessed_finding(out) is None, (name, version)
         first_code = out.splitlines()[math_mode._first_code_line(out.splitlines())]
         assert first_code.startswith("__bnb_system_header__ metal_stdlib"), (name, first_code)
-        head = out[: out.find("__bnb_system_header__")]
-        assert ("#pragma METAL fp contract(off)" in head) == (version >= 320), (name, version)
-        assert ("#pragma METAL fp math_mode(safe)" in head) == (version >= 320), (name, version)
+        head, _, tail = out.partition("__bnb_system_header__")
+        tail = tail.splitlines()[1:]
+        tail = "\n".join(tail[: math_mode._first_code_line(tail)])  # (after <metal_stdlib>, before code)
+        for part in (head, tail):
+            assert "#pragma clang fp contract(off)" in part, (name, version)
+            assert ("#pragma METAL fp contract(off)" in part) == (version >= 320), (name, version)
+            assert ("#pragma METAL fp math_mode(safe)" in part) == (version >= 320), (name, version)
 
 
 def test_the_preprocessed_check_fails_a_unit_that_pins_too_late():
@@ -203,3 +222,7 @@ def test_the_preprocessed_check_fails_a_unit_that_pins_too_late():
     assert math_mode.preprocessed_finding(math_mode.preprocess(late, 320)) is not None
     assert math_mode.preprocessed_finding(math_mode.preprocess(conditional, 310)) is not None
     assert math_mode.preprocessed_finding(math_mode.preprocess(conditional, 320)) is None
+    once = "#pragma clang fp contract(off)\n#include <metal_stdlib>\nkernel void k() {}\n"
+    assert "right after" in math_mode.preprocessed_finding(math_mode.preprocess(once, 320))
+    assert math_mode.preprocessed_finding(math_mode.preprocess(once.replace("kernel void", "#pragma clang fp contract(off)\n"
+                                                                            "kernel void"), 320)) is None

@@ -766,8 +766,10 @@ class Watched:
     def __init__(self, failing: int) -> None:
         self.inner, self.failing, self.watches = executors.load_tier("emulated"), failing, []
 
-    def launch(self, kernel, *, grid, threadgroup, args) -> None:
+    def launch(self, kernel, *, grid, threadgroup, args, watch=None) -> None:
         self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+        if watch is not None:
+            watch.track()
 
     def watch_command_buffers(self):
         watch = FakeWatch(METAL_ERROR if len(self.watches) < self.failing else None)

@@ -65,9 +65,10 @@ class Executor(Protocol):
     #
     #   def watch_command_buffers(self) -> Optional[watch]   (the native tier)
     #
-    # A watch of the GPU's command buffers, for first-use verification (bnb_mps.ops.verify): its
-    # `track()` after a launch watches the command buffer that holds it; after a synchronisation its
-    # `errors()` returns the error text of every watched buffer the device failed to run.
+    # A watch of the GPU's command buffers (first-use verification, bnb_mps.ops.verify): a launch
+    # given it, `launch(..., watch=watch)`, has the command buffer that holds it watched; after a
+    # synchronisation its `errors()` returns the error text of every watched buffer the device failed
+    # to run, and then its `gpu_times()` the (start, end) GPU times of each, in seconds.
 
 
 class ExecutorUnavailable(RuntimeError):

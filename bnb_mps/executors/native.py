@@ -105,8 +105,13 @@ class NativeExecutor:
             raise unavailable
         raise ValueError(f"kernel {kernel!r} is not in the bnb_mps kernel library ({self.origin})")
 
-    def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
-        self.prepare(kernel, grid, threadgroup)(args)
+    def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg], watch=None) -> None:
+        """`watch` (from `watch_command_buffers`): its completed handler goes to the command buffer
+        that holds this launch, attached in the launch's own step on the stream's queue."""
+        if watch is None:
+            self.prepare(kernel, grid, threadgroup)(args)
+        elif check_geometry(grid, threadgroup):
+            self._launchers.get(kernel, self._other)(kernel, tuple(grid), tuple(threadgroup), args, watch)
 
     def prepare(self, kernel: str, grid: Dim3, threadgroup: Dim3) -> Callable[[Sequence[KernelArg]], None]:
         """The launch of `kernel` with this geometry as a function of its arguments, the geometry
@@ -133,9 +138,10 @@ class NativeExecutor:
         return clocks.EventClock()
 
     def watch_command_buffers(self):
-        """A new `_native.CommandBufferWatch` (csrc/mps_ops.h): `track()` after a launch watches the
-        command buffer that holds it; after a synchronisation `errors()` lists Metal's error of each
-        watched buffer that failed. None where the module has none. (First-use verification.)"""
+        """A new `_native.CommandBufferWatch` (csrc/mps_ops.h): a launch given it (`launch(...,
+        watch=)`) has the command buffer that holds it watched; after a synchronisation `errors()`
+        lists Metal's error of each watched buffer that failed, and then `gpu_times()` the
+        (GPUStartTime, GPUEndTime) pair of each, in seconds. None where the module has none."""
         return self._watch() if self._watch is not None else None
 
     def pipeline_info(self, kernel: str) -> dict:

@@ -31,16 +31,19 @@ on macOS >= 15 torch sets mathMode = Fast and mathFloatingPointFunctions = Fast 
 without it); before macOS 15 fastMathEnabled = YES. The language version is at most Metal 3.1 in
 torch 2.7 to 2.10; from torch 2.11 it is 4.0 on macOS >= 26, 3.2 on macOS 15 and 3.1 before.
 
-What the variable changes in bnb_mps' kernels (csrc/kernels/bnb_math_mode.h):
+What the variable is expected to change in bnb_mps' kernels (csrc/kernels/bnb_math_mode.h): expected
+from torch's source and Metal's documentation of the pragmas and math modes; the effect of fast math
+has not been measured on a Mac yet (the acceptance run's probe, scripts/probe_math_mode.py, is the
+check; only the contraction pragma's effect was measured, on an M4):
 - contraction of a * b + c into a fused multiply-add: nothing; the source's unconditional
   `#pragma clang fp contract(off)` holds at every language version;
 - the rest of the float arithmetic: nothing where torch compiles Metal >= 3.2 (torch >= 2.11 on macOS
-  >= 15), whose `#pragma METAL fp math_mode(safe)` the source pins; below that, fast arithmetic
-  (reassociation, no-NaN/no-infinity assumptions), and load() warns once (FastMathWarning). It may
-  change the float results of the kernels that add float operations (matmuls, dequantizing matmuls,
-  optimizer updates); the quantization kernels take their scales from metal::precise::divide and
-  their absmax, NaN and sign tests from bit patterns, so their codes do not depend on it as long as
-  no intermediate is NaN or infinite;
+  >= 15), whose `#pragma METAL fp math_mode(safe)` the source pins; below that, expected to be fast
+  arithmetic (reassociation, no-NaN/no-infinity assumptions), and load() warns once
+  (FastMathWarning). It may change the float results of the kernels that add float operations
+  (matmuls, dequantizing matmuls, optimizer updates); the quantization kernels take their scales from
+  metal::precise::divide and their absmax, NaN and sign tests from bit patterns, so their codes are
+  expected not to depend on it as long as no intermediate is NaN or infinite;
 - the math functions (sqrt, exp, rint, clamp, ...): nothing: the kernels call only
   `metal::precise::` functions (the MSL lint's rule float-math), which no setting changes.
 (Not yet checked on a Mac: scripts/mac_acceptance.sh probes each of these.)
@@ -154,10 +157,10 @@ def warn_if_fast_math(macos: Optional[tuple], torch_ver: tuple, environ: Optiona
         f"bnb_mps: {FAST_MATH_ENV} is set, so torch {torch.__version__} compiles the shader tier's Metal "
         f"kernels with fast math on {where} (their source pins safe math only where torch compiles Metal "
         f">= 3.2: torch >= {PINNED_MATH_TORCH[0]}.{PINNED_MATH_TORCH[1]} on macOS >= {PINNED_MATH_MACOS[0]}). "
-        f"Fast math may change the float results of the matmul, dequantizing matmul and optimizer kernels; "
-        f"the quantization kernels' codes do not, except where a NaN or infinity arises (NaN or infinite "
-        f"inputs). For IEEE results, start Python without {FAST_MATH_ENV} (or with it "
-        f"set to 0): torch reads it once per process.",
+        f"Fast math is expected (not yet measured on a Mac) to be able to change the float results of the "
+        f"matmul, dequantizing matmul and optimizer kernels, and the quantization kernels' codes only where "
+        f"a NaN or infinity arises (NaN or infinite inputs). For IEEE results, start Python without "
+        f"{FAST_MATH_ENV} (or with it set to 0): torch reads it once per process.",
         FastMathWarning,
         stacklevel=2,
     )

@@ -2,9 +2,18 @@
 // depend on the compiler's fast-math setting.
 #pragma once
 
-// First, before the standard library: the pinned floating-point mode (safe math, no contraction).
+// First, before the standard library: the pinned floating-point mode (safe math, no contraction),
+// which then covers the standard library's inline functions too.
 #include "bnb_math_mode.h"
 #include <metal_stdlib>
+// Again right after it: a `#pragma ... fp` of the standard library's own (Apple's header is not
+// ours to read) would hold from there to the end of the unit. Repeated here, the kernels' own code
+// is pinned whatever the header set. (The same lines as bnb_math_mode.h's, which is included once.)
+#pragma clang fp contract(off)
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
+#pragma METAL fp math_mode(safe)
+#pragma METAL fp contract(off)
+#endif
 using namespace metal;
 
 // Instantiates a templated kernel under a host name (the name executors look up).

@@ -2,7 +2,9 @@
 // a * b + c into one fused multiply-add, whatever the compiler is asked for. Every `.metal` file
 // includes this header first, before <metal_stdlib> (as Dawn puts its pragmas before the standard
 // library), so that it covers the whole compile unit: the kernels and the library functions they
-// inline alike. (bnb_common.h includes it too, first, for any other file.)
+// inline alike. (bnb_common.h includes it too, first, for any other file.) bnb_common.h repeats
+// the same pragmas right after <metal_stdlib>, so that a pragma of the standard library's own cannot
+// loosen the kernels that follow it (the MSL lint's rule fp-contract checks both places).
 //
 // - `#pragma clang fp contract(off)`: no contraction, at every Metal language version. Metal's
 //   compiler is clang, and a measurement on an M4 found this pragma effective without Metal 3.2,

@@ -4,6 +4,7 @@
 #endif
 #include "clean_helpers.h"
 #include <metal_atomic>
+#pragma clang fp contract(off)  // (again after the system headers, as bnb_common.h does)
 
 template <typename T>
 [[kernel]] void everything(

@@ -2,6 +2,7 @@
 #pragma once
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
+#pragma clang fp contract(off)  // (again after the system headers, as bnb_common.h does)
 using namespace metal;
 
 constant float kTable[4] = {0.0f, 0.25f, 0.5f, 1.0f};

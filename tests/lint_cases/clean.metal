@@ -3,6 +3,7 @@
 #pragma clang fp contract(off)  // the project's kernels include bnb_math_mode.h for this
 #include <metal_stdlib>
 #include <metal_simdgroup>
+#pragma clang fp contract(off)  // again after the system headers (bnb_common.h does the same)
 #include "clean_helper.h"
 using namespace metal;
 

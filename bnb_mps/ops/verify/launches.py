@@ -1,8 +1,8 @@
 """What verification puts between the op layer and the tier's executor (`Recorder`): it counts the
 launches and the bytes they bind, tells the executor's errors from the op layer's (`LaunchFailed`),
 and where the executor reports the status of the GPU's command buffers (the native tier:
-`watch_command_buffers()`), has the buffer of every launch watched, to read after the
-synchronisation whether the device ran them (`device_errors()`)."""
+`watch_command_buffers()`), has the buffer of every launch watched (each launch is given the watch),
+to read after the synchronisation whether the device ran them (`device_errors()`)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ class Recorder:
     def launch(self, kernel, *, grid, threadgroup, args) -> None:
         from ...executors import PipelineLimitError
 
+        # (watched: the command buffer that holds this launch, its handler attached by the launch)
+        watched = {} if self._watch is None else {"watch": self._watch}
         try:
-            self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+            self.inner.launch(kernel, grid=grid, threadgroup=threadgroup, args=args, **watched)
         except Exception as e:
             if not isinstance(e, PipelineLimitError):  # (a refused launch did not run)
                 self._count(args)
             raise LaunchFailed(e) from e
         self._count(args)
-        if self._watch is not None:
-            self._watch.track()  # (the command buffer that holds this launch)
 
     def _count(self, args) -> None:
         self.launches += 1

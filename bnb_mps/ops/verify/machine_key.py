@@ -35,8 +35,9 @@ def math_mode(tier: str, executor=None) -> Optional[str]:
 
     - shader: "safe math", or "fast math" where PYTORCH_MPS_FAST_MATH (read once per process, as
       torch reads it) reaches the kernels' arithmetic: where torch compiles Metal below 3.2, which
-      the source's `#pragma METAL fp math_mode(safe)` needs. What it changes there is the float
-      arithmetic (reassociation, no NaNs or infinities assumed); never contraction (the source's
+      the source's `#pragma METAL fp math_mode(safe)` needs. What it is expected to change there (not
+      yet measured on a Mac) is the float arithmetic (reassociation, no NaNs or infinities assumed);
+      never contraction (the source's
       unconditional `#pragma clang fp contract(off)`) nor the math functions (the kernels call only
       `metal::precise::` ones): bnb_mps.executors.shader says so in full.
     - native: None (it sets its own compile options, safe math, whatever the variable says).

@@ -12,6 +12,7 @@
 typedef unsigned long NSUInteger;
 typedef long NSInteger;
 typedef signed char BOOL;
+typedef double CFTimeInterval;  // (CoreFoundation's, which Foundation includes)
 #define YES ((BOOL)1)
 #define NO ((BOOL)0)
 #ifndef nil
@@ -25,7 +26,9 @@ NS_ASSUME_NONNULL_BEGIN
 @end
 
 __attribute__((objc_root_class))
-@interface NSObject <NSObject>
+@interface NSObject <NSObject> {
+  Class isa;  // (as Apple's NSObject.h declares it)
+}
 + (instancetype)alloc;
 + (instancetype) new;
 - (instancetype)init;

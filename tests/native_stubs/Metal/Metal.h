@@ -84,13 +84,17 @@ typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus){
     MTLCommandBufferStatusCompleted = 4,   MTLCommandBufferStatusError = 5,
 };
 
+@protocol MTLCommandBuffer;
+typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
+
 @protocol MTLCommandBuffer <NSObject>
 - (void)commit;
+- (void)addCompletedHandler:(MTLCommandBufferHandler)block;
 @property(readonly) MTLCommandBufferStatus status;
 @property(nullable, readonly) NSError* error;
+@property(readonly) CFTimeInterval GPUStartTime BNB_STUB_AVAILABLE(10.15);
+@property(readonly) CFTimeInterval GPUEndTime BNB_STUB_AVAILABLE(10.15);
 @end
-
-typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 
 @protocol MTLCommandQueue <NSObject>
 @end

@@ -1,0 +1,262 @@
+"""The native executor (csrc/mps_ops.mm, the Objective-C++ only a Mac runs) executed in CI: built on
+Linux against tests/metal_model (a model of Metal and of torch's MPS stream, kernels under the
+emulator; its README says what is modelled), serving bitsandbytes ops through the op layer.
+
+The ops' CPU tensors stand in for mps ones; results are read after `model.synchronize()` (torch's
+synchronize), as on a Mac. Every test ends with no breach of Apple's documented rules recorded by the
+model (a completed handler added to a committed buffer, dispatch_sync onto the queue it runs on, ...)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import metal_model
+import mps_families as fam
+from bnb_mps.kernel_args import uint32
+
+ADD_ONE = """#include <metal_stdlib>
+using namespace metal;
+kernel void add_one(device float* x [[buffer(0)]], constant uint& n [[buffer(1)]],
+                    uint i [[thread_position_in_grid]]) {
+    if (i < n) x[i] += 1.0f;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def built():
+    try:
+        return metal_model.load()
+    except metal_model.ModelUnavailable as e:
+        pytest.skip(f"the Metal model cannot be built here: {e}")
+
+
+@pytest.fixture
+def model(built):
+    native, model = built
+    model.misuses()  # (what earlier modules left)
+    model.set_deferred(False)
+    yield model
+    model.set_deferred(False)
+    model.synchronize()
+    assert model.misuses() == []
+
+
+@pytest.fixture(scope="module")
+def tier(built):
+    return metal_model.executor(*built)
+
+
+def run_case(case: fam.Case, model) -> None:
+    """tests/mps_families.run_case on the model: the op on the stand-in tensors, then synchronize."""
+    from bnb_mps.ops import op_packet
+
+    args = [fam.to_device(a, "cpu") for a in case.args]
+    got = case.run(args) if case.run is not None else op_packet(case.op)(*args)
+    model.synchronize()
+    case.compare(fam._to_cpu(got), case.want, f"{case.label}: result")
+    for i, want in case.want_args.items():
+        case.compare(fam._to_cpu(args[i]), want, f"{case.label}: argument {i} after the call")
+
+
+CPU_RUNS = [(f, n) for f in fam.FAMILIES for n in f.cpu_sizes]
+
+
+@pytest.mark.parametrize("family,n", CPU_RUNS, ids=[f"{f.name}-n{n}" for f, n in CPU_RUNS])
+def test_the_mps_family_table_passes_on_the_native_tier(model, tier, family, n):
+    """The cases a Mac runs (tests/test_mps.py's table), through csrc/mps_ops.mm: compile units,
+    pipelines, argument binding on the modelled stream, and the references the emulator tests use."""
+    before = len(metal_model.MpsBindings.launched)
+    count = 0
+    with metal_model.serving_cpu_ops(tier):
+        for case in family.cases(n):
+            run_case(case, model)
+            count += 1
+    assert count > 0 and len(metal_model.MpsBindings.launched) > before, "no kernel ran on the native tier"
+
+
+def _results(call, serve, sync) -> list[torch.Tensor]:
+    with serve():
+        out = call()
+        sync()
+    return [t.clone() for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)]
+
+
+def _calls():
+    """quantize, dequantize, gemm_4bit at M = 1, 5 and 40, and an 8-bit optimizer step."""
+    g = torch.Generator().manual_seed(7)
+    A = torch.randn(4096, generator=g).to(torch.float16)
+    W = torch.randn(256, 128, generator=g).to(torch.float16)
+    ops = torch.ops.bitsandbytes
+    calls = {
+        "quantize_4bit": lambda: ops.quantize_4bit(A, 64, "nf4", torch.uint8),
+        "dequantize_4bit": lambda: ops.dequantize_4bit(*ops.quantize_4bit(A, 64, "fp4", torch.uint8), 64, "fp4",
+                                                       [4096], torch.float16),
+        "quantize_blockwise": lambda: ops.quantize_blockwise(A, fam.signed_code(), 256),
+    }
+    for M in (1, 5, 40):
+        X = torch.randn(M, 128, generator=g).to(torch.float16)
+
+        def gemm(X=X):
+            packed, absmax = ops.quantize_4bit(W, 64, "nf4", torch.uint8)
+            return ops.gemm_4bit(X, packed, [256, 128], absmax, 64, "nf4")
+
+        calls[f"gemm_4bit M={M}"] = gemm
+    case = next(c for c in fam.optimizer_cases(4_173) if "8bit" in c.label)
+
+    def step():
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in case.args]
+        (case.run or (lambda a: getattr(torch.ops.bitsandbytes, case.op)(*a)))(args)
+        return [a for a in args if isinstance(a, torch.Tensor)]
+
+    calls[f"optimizer step ({case.label})"] = step
+    return calls
+
+
+def test_the_native_tier_computes_the_emulated_tiers_bits(model, tier, monkeypatch):
+    """With tuning off, every call equals the emulated tier's, bit for bit."""
+    from bnb_mps.testing import use_emulated_kernels
+
+    monkeypatch.setenv("BNB_MPS_TUNE", "0")
+
+    for name, call in _calls().items():
+        before = len(metal_model.MpsBindings.launched)
+        native = _results(call, lambda: metal_model.serving_cpu_ops(tier), model.synchronize)
+        assert len(metal_model.MpsBindings.launched) > before, name
+        emulated = _results(call, use_emulated_kernels, lambda: None)
+        assert len(native) == len(emulated) > 0, name
+        for got, want in zip(native, emulated):
+            fam.assert_same_bits(got, want, name)
+
+
+def test_results_exist_only_after_the_synchronization_when_the_gpu_runs_late(model, tier):
+    """Deferred: nothing runs before its command buffer is committed, so an op that read one of its
+    results on the host (a synchronization inside the op, which the native path must never do)
+    would read what was there before; the 4-bit family's plain cases still pass, synchronized only
+    at the end. (Not the cases where torch's own ops work on a kernel's output, a copy into a
+    transposed `out=`: on a Mac they follow on the same stream, here they run on the host at once.)"""
+    model.set_deferred(True)
+    x = torch.zeros(64)
+    add = metal_model.MpsBindings(built_native(model).compile_library(ADD_ONE), model)
+    add.launch("add_one", (2, 1, 1), (32, 1, 1), [x, uint32(64).to_bytes()])
+    assert not x.any()  # (encoded, not run)
+    model.synchronize()
+    assert torch.equal(x, torch.ones(64))
+    plain = [c for c in fam.fourbit_cases(1_000) if "n=1000 " in c.label and "blocksize=" in c.label
+             and "functional" not in c.label]  # fmt: skip
+    assert len(plain) >= 4
+    with metal_model.serving_cpu_ops(tier):
+        for case in plain:
+            run_case(case, model)
+
+
+def built_native(model):
+    native, loaded_model = metal_model.load()
+    assert loaded_model is model
+    return native
+
+
+def test_a_watch_sees_each_command_buffer_and_its_gpu_times(model):
+    """A watched launch's handler goes to the buffer that holds it (attached inside the launch's own
+    dispatch block: the model records a handler added to a committed buffer as a misuse); after the
+    synchronization, errors() is empty and gpu_times() has one (start, end) pair per watched launch,
+    in the order the buffers ran, end >= start."""
+    native = built_native(model)
+    add = native.compile_library(ADD_ONE)
+    watch = native.CommandBufferWatch()
+    x = torch.zeros(96)
+    for batch in range(3):
+        for _ in range(2):
+            add.launch("add_one", (3, 1, 1), (32, 1, 1), [model.as_mps(x), uint32(96).to_bytes()], watch)
+        model.synchronize()
+    assert watch.errors(5.0) == []
+    times = watch.gpu_times()
+    assert len(times) == 6 and all(end >= start > 0 for start, end in times)
+    assert [times[i] for i in (0, 2, 4)] == [times[i] for i in (1, 3, 5)]  # (two launches, one buffer)
+    assert times[0][1] <= times[2][0] and times[2][1] <= times[4][0]
+    assert max(e for _, e in times) - min(s for s, _ in times) > 0
+    assert torch.equal(x, torch.full((96,), 6.0))
+    tracked = native.CommandBufferWatch()  # (after the fact: the stream's current buffer)
+    add.launch("add_one", (3, 1, 1), (32, 1, 1), [model.as_mps(x), uint32(96).to_bytes()])
+    tracked.track()
+    model.synchronize()
+    assert tracked.errors(5.0) == [] and len(tracked.gpu_times()) == 1
+    unwatched = native.CommandBufferWatch()
+    add.launch("add_one", (0, 1, 1), (32, 1, 1), [model.as_mps(x), uint32(96).to_bytes()], unwatched)
+    assert unwatched.errors(0.5) == [] and unwatched.gpu_times() == []  # (an empty grid: no buffer to watch)
+
+
+def test_a_command_buffer_error_makes_verification_could_not_run_and_uncached(model, tier):
+    """tests/command_buffer_fault.py on the model: a kernel writing far outside its buffer after each
+    launch of a family; the emulator's fault fails the command buffer, whose completed handler (the
+    watch of csrc/mps_ops.mm) gives verification Metal's error text."""
+    import command_buffer_fault as cbf
+    from bnb_mps.msl import source
+    from bnb_mps.ops import verify as verification
+
+    native = built_native(model)
+    fault = metal_model.MpsBindings(native.compile_library(cbf.FAULT_KERNEL.read_text()), model)
+    faulting = cbf.FaultingExecutor(tier, fault, device="cpu")
+    verification.reset()
+    v = verification.verdict("int8_quant", "native", faulting, refresh=True)
+    assert faulting.faults > 0
+    assert not v.passed and v.could_not_run and v.device_error, v.describe()
+    assert "Execution of the command buffer was aborted due to an error during execution" in v.describe()
+    assert "GPU reported an error" in v.describe()
+    key = verification.cache_key("native", source.source_hash(), faulting)
+
+    def stored() -> dict:
+        try:
+            return json.loads(verification.cache_path().read_text()).get(key, {})
+        except (OSError, ValueError):
+            return {}
+
+    assert "int8_quant" not in stored()  # (verified again by the next process)
+    clean = verification.verdict("int8_quant", "native", tier, refresh=True)
+    assert clean.passed, clean.describe()
+    assert "int8_quant" in stored()
+
+
+def test_launch_errors_are_python_errors(model, tier):
+    from bnb_mps.executors import PipelineLimitError
+
+    native = built_native(model)
+    with pytest.raises(RuntimeError, match="the Metal compiler rejected the kernel source"):
+        native.compile_library("kernel void broken(")
+    add = native.compile_library(ADD_ONE)
+    with pytest.raises(ValueError, match=r"argument 0 \(\[\[buffer\(0\)\]\]\) of kernel 'add_one' is a tensor on cpu"):
+        add.launch("add_one", (1, 1, 1), (32, 1, 1), [torch.zeros(4), uint32(4).to_bytes()])
+    with pytest.raises(ValueError, match="scalar of 0 bytes"):
+        add.launch("add_one", (1, 1, 1), (32, 1, 1), [model.as_mps(torch.zeros(4)), b""])
+    with pytest.raises(ValueError, match="is not in the bnb_mps kernel library"):
+        add.launch("no_such_kernel", (1, 1, 1), (32, 1, 1), [])
+    model.set_pipeline_limit("add_one", 256)
+    limited = native.compile_library(ADD_ONE)  # (a new pipeline: the limit applies)
+    with pytest.raises(PipelineLimitError) as e:
+        limited.launch("add_one", (1, 1, 1), (512, 1, 1), [model.as_mps(torch.zeros(4)), uint32(4).to_bytes()])
+    assert (e.value.kernel, e.value.threads, e.value.maximum) == ("add_one", 512, 256)
+    assert limited.pipeline_info("add_one")["max_total_threads_per_threadgroup"] == 256
+    # (built as with the macOS 15 SDK on macOS 15: the run-time compile asks for Metal 3.2)
+    assert native.language_version() == (3, 2) and tier.language_version == (3, 2)
+
+
+def test_without_a_metal_device_the_errors_leave_no_autorelease_pool_open(model):
+    """Where Metal has no device, metal_device() throws: csrc/mps_ops.mm asks for it before each
+    autorelease pool, since a C++ exception unwinding through @autoreleasepool skips the pool's pop
+    (ARC does not clean up for exceptions), which would leave the pool open on the thread."""
+    native = built_native(model)
+    lib = native.compile_library(ADD_ONE)  # (its pipeline is made on first use, below)
+    depth = model.autorelease_pool_depth()
+    model.set_device_present(False)
+    try:
+        for call in (lambda: native.compile_library(ADD_ONE), lambda: native.load_metallib("/no/such.metallib"),
+                     lambda: lib.pipeline_info("add_one")):  # fmt: skip
+            with pytest.raises(RuntimeError, match=r"no Metal device \(torch.backends.mps.is_available\(\) is False\)"):
+                call()
+            assert model.autorelease_pool_depth() == depth
+    finally:
+        model.set_device_present(True)
+    assert lib.pipeline_info("add_one")["thread_execution_width"] == 32
