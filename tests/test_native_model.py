@@ -66,9 +66,12 @@ CPU_RUNS = [(f, n) for f in fam.FAMILIES for n in f.cpu_sizes]
 
 
 @pytest.mark.parametrize("family,n", CPU_RUNS, ids=[f"{f.name}-n{n}" for f, n in CPU_RUNS])
-def test_the_mps_family_table_passes_on_the_native_tier(model, tier, family, n):
+def test_the_mps_family_table_passes_on_the_native_tier(model, tier, family, n, monkeypatch):
     """The cases a Mac runs (tests/test_mps.py's table), through csrc/mps_ops.mm: compile units,
-    pipelines, argument binding on the modelled stream, and the references the emulator tests use."""
+    pipelines, argument binding on the modelled stream, and the references the emulator tests use.
+    Tuning off: on the stand-in CPU tensors bitsandbytes' route is its CPU code, which codes a zero
+    of quantize_blockwise as 131 where the table expects the code of 0, 127."""
+    monkeypatch.setenv("BNB_MPS_TUNE", "0")
     before = len(metal_model.MpsBindings.launched)
     count = 0
     with metal_model.serving_cpu_ops(tier):
@@ -260,3 +263,38 @@ def test_without_a_metal_device_the_errors_leave_no_autorelease_pool_open(model)
     finally:
         model.set_device_present(True)
     assert lib.pipeline_info("add_one")["thread_execution_width"] == 32
+
+
+def test_tuning_on_the_native_tier_times_batches_by_their_command_buffers_gpu_times(model, tier, monkeypatch,
+                                                                                      tmp_path):  # fmt: skip
+    """First-use tuning on the native tier: every launch of a timed batch is given a watch
+    (NativeExecutor.watching), and the batch is max(GPUEndTime) - min(GPUStartTime) of its command
+    buffers (clocks.CommandBufferClock); the decision is kept with the GPU clock, every candidate timed,
+    no misuse of Metal recorded (the model's fixture checks). bitsandbytes' route on CPU tensors does no
+    GPU work here, so it is excluded."""
+    import bnb_mps
+    from bnb_mps.executors import clocks
+    from bnb_mps.ops import tuning
+
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "bitsandbytes")
+    monkeypatch.setenv(tuning.CACHE_ENV_VAR, str(tmp_path / "tune.json"))
+    batches = []
+    real = clocks.CommandBufferClock.batch
+    monkeypatch.setattr(clocks.CommandBufferClock, "batch", lambda self, call, n: batches.append(n) or real(self, call, n))
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(256, 128, generator=g)
+    X = torch.randn(5, 128, generator=g).to(torch.float16)
+    tuning.reset()
+    try:
+        with metal_model.serving_cpu_ops(tier):
+            packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, 64, "nf4", torch.uint8)
+            model.synchronize()
+            torch.ops.bitsandbytes.gemm_4bit(X, packed, [256, 128], absmax, 64, "nf4")
+            model.synchronize()
+            rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
+    finally:
+        tuning.reset()
+    assert len(rows) == 1 and rows[0]["tier"] == "native" and rows[0]["clock"] == "gpu", rows
+    assert not rows[0]["errors"] and len(rows[0]["times"]) >= 3 and all(t > 0 for t in rows[0]["times"].values()), rows
+    assert batches and json.loads((tmp_path / "tune.json").read_text())

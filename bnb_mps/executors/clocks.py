@@ -19,10 +19,13 @@ raises `ClockFailed`, so that a caller never mistakes a clock's trouble for its 
   slowly than the GPU runs them is timed at the host's pace), and, before 2.15, the listener's
   delivery latency (microseconds) at each end.
 - `CommandBufferClock` (the native tier, whose module reads command buffers' GPU times): after a
-  synchronisation (so no earlier work shares the batch's first command buffer), the command buffer
-  of each call is watched (`_native.CommandBufferWatch.track()` after the call); after a second
-  synchronisation, the batch is max(GPUEndTime) - min(GPUStartTime) over the watched buffers: GPU
-  time, idle gaps between the batch's command buffers included.
+  synchronisation (so no earlier work shares the batch's first command buffer), every launch of the
+  batch is given a `_native.CommandBufferWatch`, whose completed handler each launch attaches to its
+  own command buffer inside its own step on the stream's queue, and after each call the stream's
+  current command buffer is watched too (`track()`: it holds the work of torch's own ops, e.g. the
+  linear of dequantize+linear or a route of bitsandbytes'); after a second synchronisation, the
+  batch is max(GPUEndTime) - min(GPUStartTime) over the watched buffers: GPU time, idle gaps between
+  the batch's command buffers included.
 - `HostClock`: `time.perf_counter` around the batch (the emulated tier, CPU tensors): figures that
   say nothing about a GPU.
 
@@ -97,35 +100,32 @@ class EventClock:
 class CommandBufferClock:
     name = "gpu"
 
-    def __init__(self, watch: Callable[[], object]) -> None:
-        self._watch = watch  # makes a _native.CommandBufferWatch
+    def __init__(self, executor) -> None:
+        self._executor = executor  # the native executor: synchronize(), watch_command_buffers(), watching(watch)
 
     def batch(self, call: Callable[[], object], n: int) -> float:
         try:
-            torch.mps.synchronize()
-            watch = self._watch()
+            self._executor.synchronize()
+            watch = self._executor.watch_command_buffers()
         except Exception as e:
             raise ClockFailed(f"watching command buffers: {e}") from e
-        calls = 0
-
-        def tracked() -> None:
-            nonlocal calls
+        def watched() -> None:
             call()
-            watch.track()
-            calls += 1
+            watch.track()  # (the stream's current buffer: work of torch's own ops, e.g. a route's linear)
 
-        _run(tracked, n)
+        with self._executor.watching(watch):  # (each launch attaches the handler to its own buffer)
+            _run(watched, n)
         try:
-            torch.mps.synchronize()
+            self._executor.synchronize()
             errors = watch.errors(REPORT_TIMEOUT)
-            spans = list(watch.gpu_times())
+            spans = [(float(s), float(e)) for s, e in watch.gpu_times() if e > s]
         except Exception as e:
             raise ClockFailed(f"reading command buffers' GPU times: {e}") from e
         if errors:
             raise ClockFailed(f"a timed command buffer did not complete: {errors[0]}")
         if not spans:
             raise ClockFailed("no watched command buffer reported GPU times")
-        return _checked(float(max(e for _, e in spans) - min(s for s, _ in spans)), "the command buffers' GPU times")
+        return _checked(max(e for _, e in spans) - min(s for s, _ in spans), "the command buffers' GPU times")
 
 
 def gpu_clock_refusal() -> Optional[str]:

@@ -36,10 +36,11 @@ a * b + c from being contracted into a fused multiply-add, and the kernels call 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -81,6 +82,7 @@ class NativeExecutor:
         #: OS compiler's default (set by `load`)
         self.language_version: Optional[tuple[int, int]] = None
         self._watch = watch
+        self._timing_watch = None  # what `watching` gives every launch for now
         if isinstance(library, CompileUnits):
             self._units: Optional[CompileUnits] = library
             self.origin: str = "source"
@@ -123,7 +125,25 @@ class NativeExecutor:
             return _nothing
         launch = self._launchers.get(kernel, self._other)
         grid, threadgroup = tuple(grid), tuple(threadgroup)
-        return lambda args: launch(kernel, grid, threadgroup, args)
+
+        def launch_prepared(args) -> None:
+            watch = self._timing_watch  # (None but while tuning's GPU clock times a batch: `watching`)
+            if watch is None:
+                launch(kernel, grid, threadgroup, args)
+            else:
+                launch(kernel, grid, threadgroup, args, watch)
+
+        return launch_prepared
+
+    @contextlib.contextmanager
+    def watching(self, watch) -> Iterator[None]:
+        """While it lasts, every launch of this executor (those of kept launch plans included) is given
+        `watch` (from `watch_command_buffers`): the GPU clock of tuning (clocks.CommandBufferClock)."""
+        self._timing_watch = watch
+        try:
+            yield
+        finally:
+            self._timing_watch = None
 
     def synchronize(self) -> None:
         """Waits until the GPU ran everything encoded so far (torch.mps.synchronize)."""
@@ -134,7 +154,7 @@ class NativeExecutor:
         the watched command buffers' GPU start and end times where the module reads them, else torch's
         timing events."""
         if self._watch is not None and hasattr(self._watch, "gpu_times"):
-            return clocks.CommandBufferClock(self._watch)
+            return clocks.CommandBufferClock(self)
         return clocks.EventClock()
 
     def watch_command_buffers(self):
