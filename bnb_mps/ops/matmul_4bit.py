@@ -130,7 +130,8 @@ def check_gemm_4bit(
 # These switch points are the built-in order (`choose_path`): reasoning under the cost model, not a
 # measurement on a Mac. Each path, and each kernel variant of a path (`<path>/<variant>`: "gemv/tglut",
 # the gemv kernel with its 16-entry table copied to threadgroup memory instead of read from constant
-# memory), is a route that the planners take as an argument (`route=`), so that tuning
+# memory; "small/wide", the small kernel with 8 weight rows per threadgroup, as many threadgroups as the
+# gemv kernel's), is a route that the planners take as an argument (`route=`), so that tuning
 # (bnb_mps.ops.tuning) can measure every route `paths` offers for a shape on the user's GPU and plan
 # the fastest.
 GEMV_MAX_M = 1
@@ -138,7 +139,7 @@ SMALL_MAX_M = 32
 
 #: route names of the kernel paths and variants -> the multiple of K their kernel needs (nibbles per
 #: lane per step of the gemv, batch and small kernels; the mma kernel addresses nibbles one by one)
-PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "small": 16, "mma": 1}
+PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "small": 16, "small/wide": 16, "mma": 1}
 
 # Rows of A up to which the gemv and batch kernels are worth measuring against the others: the gemv
 # kernel reads the whole weight once per row of A, the batch kernel once per 8 rows, the small and
@@ -175,7 +176,8 @@ def paths(M: int, N: int, K: int) -> tuple[str, ...]:
     if M == 0 or N == 0 or K == 0:
         return (default,)
     valid = [p for p, limit in (("gemv", GEMV_CANDIDATE_MAX_M), ("gemv/tglut", GEMV_CANDIDATE_MAX_M),
-                                ("batch", BATCH_CANDIDATE_MAX_M), ("small", SMALL_MAX_M), ("mma", None))
+                                ("batch", BATCH_CANDIDATE_MAX_M), ("small", SMALL_MAX_M),
+                                ("small/wide", SMALL_MAX_M), ("mma", None))
              if (limit is None or M <= limit) and K % PATH_K_MULTIPLE[p] == 0]  # fmt: skip
     return (default, *(p for p in valid if p != default))
 
@@ -227,8 +229,8 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     if path not in PATH_K_MULTIPLE or K % PATH_K_MULTIPLE[path]:
         raise ValueError(f"{b.op}: route {path!r} cannot compute a product with K = {K} (routes: "
                          f"{', '.join(f'{p} (K % {k} == 0)' for p, k in PATH_K_MULTIPLE.items())})")
-    if path == "small" and M > SMALL_MAX_M:
-        raise ValueError(f"{b.op}: route 'small' computes at most {SMALL_MAX_M} rows of A, got M = {M}")
+    if path.startswith("small") and M > SMALL_MAX_M:
+        raise ValueError(f"{b.op}: route {path!r} computes at most {SMALL_MAX_M} rows of A, got M = {M}")
     if M == 0 or N == 0 or K == 0:  # K == 0: an empty sum, only the bias (see _empty_sum)
         return
     A_ref, lda, A_start_aligned = _bind_A(b, A)
@@ -260,9 +262,10 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     elif path == "batch":
         name = f"bnb_gemm_4bit_batch_{sc}_{dt}"
         grid, threads = (math.ceil(N / _ROWS_PER_TG), math.ceil(M / _BATCH_M), 1), (128, 1, 1)
-    elif path == "small":
-        name = f"bnb_gemm_4bit_small_{sc}_{dt}"
-        grid, threads = (math.ceil(N / _SMALL_ROWS_PER_TG), 1, 1), (128, 1, 1)
+    elif path in ("small", "small/wide"):
+        variant, rows = ("_wide", _ROWS_PER_TG) if path == "small/wide" else ("", _SMALL_ROWS_PER_TG)
+        name = f"bnb_gemm_4bit_small{variant}_{sc}_{dt}"
+        grid, threads = (math.ceil(N / rows), 1, 1), (8 * rows, 1, 1)
     else:
         name = f"bnb_gemm_4bit_mma_{sc}_{dt}"
         grid, threads = (math.ceil(M / _MMA_BM), math.ceil(N / _MMA_BN), 1), (128, 1, 1)

@@ -3,12 +3,15 @@
 // gemm_4bit.metal (the same bindings as the other three kernels).
 //
 //   bnb_gemm_4bit_small  Every weight byte and every block scale is read once per call, whatever M
-//                        is: each threadgroup owns 16 weight rows (output columns) and computes them
-//                        for all M rows of A, so the grid is ceil(N / 16) threadgroups (half the
-//                        gemv kernel's ceil(N / 8) at M = 1, twice the mma kernel's at M <= 32).
+//                        is: each threadgroup owns 4 x SIMDS weight rows (output columns) and
+//                        computes them for all M rows of A. SIMDS = 4 (the path "small"): 16 rows,
+//                        a grid of ceil(N / 16) threadgroups, half the gemv kernel's ceil(N / 8) at
+//                        M = 1 and twice the mma kernel's at M <= 32. SIMDS = 2 (the variant
+//                        "small/wide"): 8 rows, as many threadgroups as the gemv kernel, each of which
+//                        reads all of A, so twice the A traffic (docs/tuning.md, "Small batches").
 //
-// Threadgroup: 128 threads, 4 simdgroups x 4 weight rows; in a simdgroup, lanes 8r .. 8r + 7 share
-// weight row r. K advances in steps of 128: per step,
+// Threadgroup: 32 x SIMDS threads, SIMDS simdgroups x 4 weight rows; in a simdgroup, lanes 8r .. 8r + 7
+// share weight row r. K advances in steps of 128: per step,
 //   1. the threadgroup stages A[0..M)[k0, k0 + 128) in threadgroup memory (as T; consecutive threads
 //      load consecutive columns of a row, so each row of A is one 256..512-byte run),
 //   2. each lane reads its 16 nibbles of its row (one 8-byte load, bytes [8q, 8q + 8) of the row's
@@ -33,17 +36,14 @@
 #include "gemm_4bit.h"
 
 #define BNB_SMALL_M 32u       // rows of A a threadgroup holds (the path's largest M)
-#define BNB_SMALL_SIMDS 4u
 #define BNB_SMALL_ROWS 4u     // weight rows per simdgroup
 #define BNB_SMALL_LANES 8u    // lanes per weight row
 #define BNB_SMALL_CHUNK 16u   // nibbles per lane per step
 #define BNB_SMALL_KS 128u     // K per step: BNB_SMALL_LANES * BNB_SMALL_CHUNK
-#define BNB_SMALL_THREADS 128u
-// Weight rows per threadgroup: BNB_SMALL_SIMDS * BNB_SMALL_ROWS.
-#define BNB_SMALL_ROWS_PER_TG 16u
 
-// Grid: (ceil(N / 16), 1, 1) threadgroups of 128 threads. Needs K % 16 == 0 and 1 <= M <= 32.
-template <typename T, bool NESTED>
+// Grid: (ceil(N / (4 * SIMDS)), 1, 1) threadgroups of 32 * SIMDS threads. Needs K % 16 == 0 and
+// 1 <= M <= 32.
+template <typename T, bool NESTED, uint SIMDS>
 [[kernel]] void bnb_gemm_4bit_small(
     device const T* A [[buffer(0)]],
     device const uchar* B [[buffer(1)]],
@@ -69,18 +69,17 @@ template <typename T, bool NESTED>
     constexpr uint MT = BNB_SMALL_M;
     constexpr uint C = BNB_SMALL_CHUNK;
     constexpr uint KS = BNB_SMALL_KS;
+    constexpr uint THREADS = 32u * SIMDS;
     static_assert(BNB_SMALL_LANES * BNB_SMALL_CHUNK == BNB_SMALL_KS, "a step is one chunk per lane of a row");
     static_assert(BNB_SMALL_ROWS * BNB_SMALL_LANES == 32u, "a simdgroup's lanes cover its rows");
-    static_assert(BNB_SMALL_SIMDS * BNB_SMALL_ROWS == BNB_SMALL_ROWS_PER_TG, "rows per threadgroup");
-    static_assert(BNB_SMALL_SIMDS * 32u == BNB_SMALL_THREADS && KS == BNB_SMALL_THREADS,
-                  "each thread stages one column of every row of A per step");
+    static_assert(KS % THREADS == 0u, "each thread stages the same number of columns per step");
     threadgroup T a_tile[MT * KS];
 
     constant float* lut = bnb_mm_table(code, table);
     const float offset = NESTED ? bnb_mm_offset(absmax_offset, offset_kind) : 0.0f;
     const uint mcount = min(M, MT);  // (the op layer never launches more rows)
     const uint q = lane % BNB_SMALL_LANES;
-    const uint row = tg.x * BNB_SMALL_ROWS_PER_TG + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES;
+    const uint row = tg.x * (SIMDS * BNB_SMALL_ROWS) + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES;
     // Rows past N read row N - 1 (never stored), so that every lane takes the same path.
     const uint base = min(row, N - 1u) * K;
 
@@ -93,10 +92,12 @@ template <typename T, bool NESTED>
     for (uint k0 = 0; k0 < K; k0 += KS) {
         // 1. Stage A[0..M)[k0, k0 + KS), zero past K.
         threadgroup_barrier(mem_flags::mem_threadgroup);  // (the previous step's reads are done)
-        const uint kc = k0 + tid;
-        for (uint i = 0; i < MT; ++i) {
-            if (i < mcount) {
-                a_tile[i * KS + tid] = kc < K ? A[i * lda + kc] : T(0.0f);
+        for (uint c = tid; c < KS; c += THREADS) {
+            const uint kc = k0 + c;
+            for (uint i = 0; i < MT; ++i) {
+                if (i < mcount) {
+                    a_tile[i * KS + c] = kc < K ? A[i * lda + kc] : T(0.0f);
+                }
             }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
