@@ -123,3 +123,21 @@ def test_float32_error_against_float64(library, route, M, K):
     print(f"{route} M={M} K={K}: {units:.3f} units")
     assert units <= 1.5 * CUDA_UNITS + 1, units
     assert ex.launched == [f"bnb_gemm_4bit_{route.replace('/', '_')}_nested_f32"]
+
+
+def test_the_table_marks_the_built_in_route_of_each_m(profiler):
+    import io
+
+    buf = io.StringIO()
+    rows = cm.table([(64, 128)], [1, 2, 40], torch.bfloat16, out=buf)
+    text = buf.getvalue()
+    assert [(f.M, f.path) for f in rows] == [(1, "gemv"), (1, "batch"), (1, "small"), (1, "small/wide"), (1, "mma"),
+                                             (2, "small"), (2, "gemv"), (2, "batch"), (2, "small/wide"), (2, "mma"),
+                                             (40, "mma")]  # fmt: skip
+    assert "1 | gemv * |" in text and "2 | small * |" in text and "40 | mma * |" in text and "2 | batch |" in text
+    for chip in cm.CHIPS:
+        assert f"{chip} us" in text
+    m1 = next(line for line in text.splitlines() if line.startswith("2 | small *")).split(" | ")
+    f = rows[5]
+    assert float(m1[2]) == pytest.approx(f.traffic / 1e6, abs=1e-3)
+    assert float(m1[8]) == pytest.approx(f.traffic / 68.25e9 * 1e6, abs=0.05)  # M1: 68.25 GB/s (bnb_mps.chips)
