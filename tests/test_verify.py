@@ -117,9 +117,9 @@ GROUPS = {
               {"int8_products": r"^int8_linear_matmul(\.out)? [15]x24x(100|1090):"}),
         Fault("the batch kernel keeps only the last step of each lane", "gemm_4bit.h", "acc[i][r] += d;",
               "acc[i][r] = d;", {"matmul_4bit_batch": r"M=5 "}),
-        Fault("the small kernel keeps only the last K step of each accumulator", "gemm_4bit_small.h",
-              "acc[parity][i] += (c[0] + c[1]) + (c[2] + c[3]);", "acc[parity][i] = (c[0] + c[1]) + (c[2] + c[3]);",
-              {"matmul_4bit_small": r"M=20 ", "matmul_4bit_small_wide": r"M=20 "}),
+        Fault("the small kernel keeps only the last even K step of each row", "gemm_4bit_small.h",
+              "acc_even[i] += d;", "acc_even[i] = d;",
+              {"matmul_4bit_small": r"M=12 ", "matmul_4bit_small_wide": r"M=12 "}),
         Fault("the mma kernel drops the last 8 columns of every K step", "gemm_4bit.h",
               "for (uint kk = 0; kk < BK; kk += 8u) {", "for (uint kk = 0; kk + 8u < BK; kk += 8u) {",
               {"matmul_4bit_mma": r"M=37 "}),
@@ -301,7 +301,8 @@ def test_cost_is_bounded(unmodified_run):
     verdicts, _, _ = unmodified_run
     launches = sum(v.launches for v in verdicts.values())
     nbytes = sum(v.bytes for v in verdicts.values())
-    assert 0 < launches <= 180 and 0 < nbytes <= 2 << 20, (launches, nbytes)
+    # (197 launches, 2.0 MB: 9 launches each for the small path and its wide variant, 179 before them)
+    assert 0 < launches <= 200 and 0 < nbytes <= 2 << 20, (launches, nbytes)
 
 
 _DTYPE_TAG = r"_(f16|bf16|f32)(_f32bias)?"

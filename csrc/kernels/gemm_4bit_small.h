@@ -83,12 +83,15 @@ template <typename T, bool NESTED, uint SIMDS>
     // Rows past N read row N - 1 (never stored), so that every lane takes the same path.
     const uint base = min(row, N - 1u) * K;
 
-    float acc[2][MT];
+    // Two accumulators per row of A, for even and odd K steps (two arrays, each indexed only by the
+    // unrolled row loop, so that both stay in registers).
+    float acc_even[MT];
+    float acc_odd[MT];
     for (uint i = 0; i < MT; ++i) {
-        acc[0][i] = 0.0f;
-        acc[1][i] = 0.0f;
+        acc_even[i] = 0.0f;
+        acc_odd[i] = 0.0f;
     }
-    uint parity = 0u;
+    bool odd = false;
     for (uint k0 = 0; k0 < K; k0 += KS) {
         // 1. Stage A[0..M)[k0, k0 + KS), zero past K.
         threadgroup_barrier(mem_flags::mem_threadgroup);  // (the previous step's reads are done)
@@ -121,15 +124,20 @@ template <typename T, bool NESTED, uint SIMDS>
                             c[h] = fma(float(x[4u * h + j]), w[4u * h + j], c[h]);
                         }
                     }
-                    acc[parity][i] += (c[0] + c[1]) + (c[2] + c[3]);
+                    const float d = (c[0] + c[1]) + (c[2] + c[3]);
+                    if (odd) {
+                        acc_odd[i] += d;
+                    } else {
+                        acc_even[i] += d;
+                    }
                 }
             }
         }
-        parity ^= 1u;
+        odd = !odd;
     }
     for (uint i = 0; i < MT; ++i) {
         if (i < mcount) {  // uniform over the threadgroup
-            float v = acc[0][i] + acc[1][i];
+            float v = acc_even[i] + acc_odd[i];
             v += simd_shuffle_xor(v, 4u);
             v += simd_shuffle_xor(v, 2u);
             v += simd_shuffle_xor(v, 1u);
