@@ -100,7 +100,7 @@ def _gemm4bit_cases(mode: str) -> Iterator[Case]:
     rows, side by side with stock bitsandbytes' mps path and a dense fp16 `linear`. (Each route of a
     shape, the kernel variants among them, is measured by `python -m bnb_mps tune`.)
     Required bytes: packed weight + 8-bit absmax + nested absmax + A + output.
-    Emulated: small shapes, one per kernel path (gemv, batch, mma), plain and nested absmax.
+    Emulated: small shapes, one per built-in kernel path (gemv, small, mma), plain and nested absmax.
     """
     from bitsandbytes.functional import create_dynamic_map
 

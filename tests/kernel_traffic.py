@@ -117,7 +117,7 @@ def _matmul_cases() -> None:
     code = create_dynamic_map(signed=True)
     N, K, bs = MATMUL_N, MATMUL_K, 64
     nblocks = N * K // bs
-    for path, M in (("gemv", 1), ("batch", 8), ("mma", 64)):
+    for path, M in (("gemv", 1), ("small", 8), ("mma", 64)):
         # the packed weight, its 8-bit scales, their 256-blocks' scales, A, the output
         required = N * K // 2 + nblocks + 4 * math.ceil(nblocks / 256) + 2 * M * K + 2 * M * N
 

@@ -548,10 +548,10 @@ def matmul_4bit_cases(n: int) -> Iterator[Case]:
         yield from matmul_4bit_flush_cases()
 
 
-# docs/semantics.md section 7 on the three paths of the 4-bit products (M = 1: gemv, 5: batch, 40: mma,
+# docs/semantics.md section 7 on the three paths of the 4-bit products (M = 1: gemv, 5: small, 40: mma,
 # at K = 128), the model the emulator's "apple" float mode was built on (tests/test_kernels_matmul_4bit.py
 # runs the same inputs in both of its float modes): what a Mac computes here checks that model.
-APPLE_PATHS = {"gemv": 1, "batch": 5, "mma": 40}
+APPLE_PATHS = {"gemv": 1, "small": 5, "mma": 40}
 HUGE_SCALES = [1.5 * 2.0**126, 2.0**126 * (1 + 2.0**-23), 2.0**127, 1e38, 3e38, float(torch.finfo(torch.float32).max)]
 SUBNORMAL_SCALES = [1e-39, -5e-40, 2.0**-149, float(torch.finfo(torch.float32).tiny) * (1 - 2.0**-23), 3e-39]
 

@@ -9,7 +9,7 @@ results flush to zero, as on the hardware).
 - Blocks of zeros and float32 subnormals quantize like an all-zero block (absmax 0, every code 0);
   fp16 subnormals are kept and quantize as IEEE does.
 - Int8: rows of subnormals are zero rows. 8-bit optimizer states above 2^126 re-quantize exactly.
-- 4-bit products (bnb.matmul_4bit: gemv, batch and mma kernels) of weights with blocks above 2^126,
+- 4-bit products (bnb.matmul_4bit: gemv, small and mma kernels) of weights with blocks above 2^126,
   plain and double-quantized, with float32 / bfloat16 subnormal activations, which count as zero.
 The IEEE references are the reference modules with flush=False; the Apple ones with flush=True
 (their default).
@@ -273,13 +273,13 @@ def test_8bit_adam_second_moment_above_2_to_126_requantizes_exactly():
 
 
 #: the kernels of each path of the 4-bit products, by the M that takes it here (K = 128)
-PATH_KERNEL = {1: "bnb_gemv_4bit_", 5: "bnb_gemm_4bit_batch_", 40: "bnb_gemm_4bit_mma_"}
+PATH_KERNEL = {1: "bnb_gemv_4bit_", 5: "bnb_gemm_4bit_small_", 40: "bnb_gemm_4bit_mma_"}
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_4bit_matmul_huge_blocks_and_subnormal_activations(dtype, nested):
-    """bnb.matmul_4bit (gemv at M = 1, the batch kernel at M = 5, mma at M = 40) of a weight whose
+    """bnb.matmul_4bit (gemv at M = 1, the small kernel at M = 5, mma at M = 40) of a weight whose
     first block of every row (columns 0..63; of two rows with double quantization) has its absmax
     above 2^126, quantized by the kernels (checked against the IEEE reference quantizer), with and
     without double quantization of the block scales (whose nested block is then above 2^126 too).

@@ -34,7 +34,7 @@ def test_emulated_report(bench, tmp_path, capsys):
         assert case["launches"] == 1 and case["extra_alloc_bytes"] == 0 and case["host_reads"] == "none", case
     kernels = [c["kernels"][0] for c in cases]
     assert kernels == [f"bnb_{k}_{sc}_f16" for sc in ("absmax", "nested")
-                       for k in ("gemv_4bit", "gemm_4bit_batch", "gemm_4bit_mma")]  # fmt: skip
+                       for k in ("gemv_4bit", "gemm_4bit_small", "gemm_4bit_mma")]  # fmt: skip
 
 
 def test_mac_cases(bench):

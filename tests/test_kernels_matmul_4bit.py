@@ -45,27 +45,34 @@ def path_of(case: Case) -> str:
 # -- every kernel variant under every lane order, race checking, poisoned threadgroup memory --------
 
 # One shape per path, with a K tail (K not a multiple of the simdgroup step, of 32, or of 16) and
-# an N tail (N not a multiple of the rows per threadgroup).
+# an N tail (N not a multiple of the rows per threadgroup); the kernel it launches. The batch kernel and
+# the small kernel's wide variant are routes (tuning's candidates), not the built-in path of their shape.
 PATH_SHAPES = {
-    "gemv": (1, 21, 1056),  # 1056 = 1024 + 32: the second step has a single active lane
-    "batch": (5, 13, 176),
-    "mma": (37, 70, 72),  # two M tiles, two N tiles, 3 K steps (the last a half)
-    "mma-any-K": (3, 11, 45),
+    "gemv": ((1, 21, 1056), "bnb_gemv_4bit"),  # 1056 = 1024 + 32: the second step has a single active lane
+    "batch": ((5, 13, 176), "bnb_gemm_4bit_batch"),
+    "small": ((20, 21, 400), "bnb_gemm_4bit_small"),  # 400 = 3 * 128 + 16: a last step of 2 active lanes
+    "small/wide": ((3, 13, 176), "bnb_gemm_4bit_small_wide"),
+    "mma": ((37, 70, 72), "bnb_gemm_4bit_mma"),  # two M tiles, two N tiles, 3 K steps (the last a half)
+    "mma-any-K": ((3, 11, 45), "bnb_gemm_4bit_mma"),
 }
+
+
+def route_of(path: str, M: int, N: int, K: int):
+    """The route that runs `path` on the shape: None where it is the built-in path."""
+    path = path.split("-")[0]
+    return None if path == matmul_4bit.choose_path(M, N, K) else path
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", list(PATH_SHAPES))
 def test_all_orders(library, path, dtype, nested):
-    M, N, K = PATH_SHAPES[path]
+    (M, N, K), kernel = PATH_SHAPES[path]
     case = Case(M, N, K, dtype=dtype, nested=nested, bias=nested, blocksize=32 if nested else 128,
                 quant_type="fp4" if dtype == torch.bfloat16 else "nf4", seed=M + N + K)  # fmt: skip
     ex = EmulatedExecutor(library, checked=True)
-    run_gemm(ex, case)
-    want = path.split("-")[0]
-    assert ex.launched == [f"bnb_{'gemv' if want == 'gemv' else 'gemm'}_4bit_{'' if want == 'gemv' else want + '_'}"
-                           f"{'nested' if nested else 'absmax'}_{DT[dtype]}"]  # fmt: skip
+    run_gemm(ex, case, route_of(path, M, N, K))
+    assert ex.launched == [f"{kernel}_{'nested' if nested else 'absmax'}_{DT[dtype]}"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -85,12 +92,12 @@ def test_threadgroup_table_variant_all_orders(library, dtype):
 def test_every_blocksize(library, blocksize, quant_type):
     ex = EmulatedExecutor(library)
     N = max(8, math.ceil(3 * blocksize / 96) + 3)
-    for i, M in enumerate((1, 6, 11)):
+    for i, M in enumerate((1, 6, 40)):
         dtype = DTYPES[(i + blocksize.bit_length()) % 3]
         run_gemm(ex, Case(M, N, 96, dtype=dtype, blocksize=blocksize, quant_type=quant_type, nested=i == 1,
                           seed=blocksize + i))  # fmt: skip
     assert {k.split("_")[2] for k in ex.launched} == {"4bit"} and len(ex.launched) == 3
-    assert [path_of(Case(M, N, 96)) for M in (1, 6, 11)] == ["gemv", "batch", "mma"]
+    assert [path_of(Case(M, N, 96)) for M in (1, 6, 40)] == ["gemv", "small", "mma"]
 
 
 # -- odd shapes -------------------------------------------------------------------------------------
@@ -191,7 +198,7 @@ def test_identity_weight_reproduces_A(library, M, quant_type):
 # -- gemv_4bit: the table is an input --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("M", [1, 4, 10])
+@pytest.mark.parametrize("M", [1, 4, 40])
 def test_gemv_reads_the_code_table(library, M):
     """gemv_4bit's code is data: bitsandbytes' NF4 / FP4 codes and an arbitrary table give the
     docs/semantics.md result with that table (no quant type is inferred from it)."""
@@ -208,7 +215,7 @@ def test_gemv_reads_the_code_table(library, M):
             y = call(OPS["gemv_4bit"], (A, packed, [N, K], absmax, code, bs), {}, ex)
             assert y.shape == (1, M, N)
             R.check_accuracy(y.reshape(M, N), A.reshape(M, K), R.dequantized_weight(packed, (N, K), bs, code, absmax))
-    path = {1: "gemv_4bit", 4: "gemm_4bit_batch", 10: "gemm_4bit_mma"}[M]
+    path = {1: "gemv_4bit", 4: "gemm_4bit_small", 40: "gemm_4bit_mma"}[M]
     assert ex.launched == [f"bnb_{path}_absmax_{DT[dtype]}" for _ in range(3) for dtype in DTYPES]
 
 
@@ -254,20 +261,24 @@ def test_accuracy_against_float64(library, M, dtype):
 # reference rounded once to float32, whatever its order of summation; scale * fl32(a1 * t1 + a2 * t2)
 # is another number for many weight rows.
 
-ROUNDING_SHAPES = {  # path -> (M, N, K), kernel (the built-in path of that shape, or "gemv/tglut")
+ROUNDING_SHAPES = {  # path -> (M, N, K), kernel (the built-in path of that shape, or the route `path`)
     "gemv": ((1, 48, 256), "bnb_gemv_4bit"),
     "gemv/tglut": ((1, 48, 256), "bnb_gemv_4bit_tglut"),
     "batch": ((5, 48, 176), "bnb_gemm_4bit_batch"),
     "batch-M1": ((1, 48, 48), "bnb_gemm_4bit_batch"),  # K % 32 == 16
+    "small": ((5, 48, 176), "bnb_gemm_4bit_small"),
+    "small/wide": ((5, 48, 176), "bnb_gemm_4bit_small_wide"),
     "mma": ((40, 48, 128), "bnb_gemm_4bit_mma"),
     "mma-any-K": ((3, 48, 45), "bnb_gemm_4bit_mma"),
 }
 
 
 def gemm_on(path: str, executor, args: tuple) -> torch.Tensor:
-    """gemm_4bit through the op layer: its built-in path, or the route "gemv/tglut"."""
-    if path == "gemv/tglut":
-        return matmul_4bit.gemm_4bit(executor, *args, route=path)
+    """gemm_4bit through the op layer: its built-in path, or the route `path` where that is another."""
+    A, (N, K) = args[0], args[2]
+    route = route_of(path, math.prod(A.shape[:-1]), N, K)
+    if route is not None:
+        return matmul_4bit.gemm_4bit(executor, *args, route=route)
     return call(OPS["gemm_4bit"], args, {}, executor)
 
 
@@ -322,7 +333,7 @@ def test_terms_are_products_of_the_dequantized_weights(library, path, nested):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "mma"])
+@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "small", "small/wide", "mma"])
 def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
     """float16 / bfloat16 activations multiply the weight as dequantize_4bit gives it in their dtype,
     T(fl32(table[q] * scale)), as bitsandbytes' dequantize-then-linear path does: with two_term_rows'
@@ -380,18 +391,27 @@ def test_inner_dimension_is_checked():
 
 
 def test_switch_points_are_shape_constants():
-    assert (matmul_4bit.GEMV_MAX_M, matmul_4bit.SMALL_BATCH_MAX_M) == (1, 8)
-    paths = [matmul_4bit.choose_path(M, 4096, 4096) for M in (1, 2, 8, 9, 512)]
-    assert paths == ["gemv", "batch", "batch", "mma", "mma"]
+    assert (matmul_4bit.GEMV_MAX_M, matmul_4bit.SMALL_MAX_M) == (1, 32)
+    paths = [matmul_4bit.choose_path(M, 4096, 4096) for M in (1, 2, 8, 9, 32, 33, 512)]
+    assert paths == ["gemv", "small", "small", "small", "small", "mma", "mma"]
     assert matmul_4bit.choose_path(1, 4096, 4128) == "gemv"  # K % 32 == 0
     assert matmul_4bit.choose_path(1, 4096, 4112) == "batch"  # K % 32 == 16
-    assert matmul_4bit.choose_path(8, 4096, 4112) == "batch"
+    assert matmul_4bit.choose_path(8, 4096, 4112) == "small"
     assert matmul_4bit.choose_path(1, 4096, 4100) == "mma"  # K % 16 != 0
+    assert matmul_4bit.choose_path(8, 4096, 4100) == "mma"
+
+
+def test_small_routes_refuse_more_rows_than_they_hold():
+    packed, absmax = make_weight(Case(1, 8, 64))
+    for route in ("small", "small/wide"):
+        with pytest.raises(ValueError, match=f"gemm_4bit: route '{route}' computes at most 32 rows of A, got M = 33"):
+            matmul_4bit.gemm_4bit(NoLaunch(), torch.ones(33, 64), packed, [8, 64], absmax, 64, "nf4", route=route)
 
 
 @pytest.mark.parametrize("M,kernel,grid,threads", [
     (1, "bnb_gemv_4bit_nested_bf16", (512, 1, 1), (64, 1, 1)),
-    (8, "bnb_gemm_4bit_batch_nested_bf16", (512, 1, 1), (128, 1, 1)),
+    (8, "bnb_gemm_4bit_small_nested_bf16", (256, 1, 1), (128, 1, 1)),
+    (32, "bnb_gemm_4bit_small_nested_bf16", (256, 1, 1), (128, 1, 1)),
     (512, "bnb_gemm_4bit_mma_nested_bf16", (16, 64, 1), (128, 1, 1)),
 ])  # fmt: skip
 def test_launch_geometry(M, kernel, grid, threads):
@@ -416,7 +436,7 @@ def test_launch_geometry(M, kernel, grid, threads):
 
 TINY = 2.0**-126  # the smallest normal float32
 FMAX = float(torch.finfo(torch.float32).max)
-APPLE_PATHS = {"gemv": 1, "batch": 5, "mma": 40}  # M of each path at K = 128 (and 256)
+APPLE_PATHS = {"gemv": 1, "small": 5, "mma": 40}  # M of each built-in path at K = 128 (and 256)
 HUGE_SCALES = [1.5 * 2.0**126, 2.0**126 * (1 + 2.0**-23), 2.0**127, 1e38, 3e38, FMAX]
 
 

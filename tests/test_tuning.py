@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarn
               pytest.mark.filterwarnings("ignore::bnb_mps.ops.verify.VerificationWarning")]
 REPO = Path(__file__).resolve().parents[1]
 bnb = torch.ops.bitsandbytes
-ALL_ROUTES = ("gemv", "gemv/tglut", "batch", "mma", "kernel", "dequantize+linear", "bitsandbytes")
+ALL_ROUTES = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "mma", "kernel", "dequantize+linear",
+              "bitsandbytes")
 
 
 @pytest.fixture(autouse=True)
@@ -98,8 +99,9 @@ def gemm_by_hand(route: str, args: list):
 
 # -- the choice serves, bit for bit --------------------------------------------------------------------------
 
-GEMM_ROUTES = [(1, "gemv"), (1, "gemv/tglut"), (1, "batch"), (1, "mma"), (1, "dequantize+linear"),
-               (3, "batch"), (3, "gemv"), (3, "mma"), (3, "dequantize+linear"), (3, "bitsandbytes"),
+GEMM_ROUTES = [(1, "gemv"), (1, "gemv/tglut"), (1, "batch"), (1, "small"), (1, "mma"), (1, "dequantize+linear"),
+               (3, "small"), (3, "small/wide"), (3, "batch"), (3, "gemv"), (3, "mma"), (3, "dequantize+linear"),
+               (3, "bitsandbytes"),
                (40, "mma"), (40, "dequantize+linear"), (40, "bitsandbytes")]  # fmt: skip
 
 
@@ -120,8 +122,8 @@ def test_the_fastest_route_serves_the_result_of_that_route(M, route, nested):
 
 
 def candidates_of(M):
-    return {1: ("gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes"),
-            3: ("gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes"),
+    return {1: ("gemv", "gemv/tglut", "batch", "small", "small/wide", "mma", "dequantize+linear", "bitsandbytes"),
+            3: ("gemv", "gemv/tglut", "batch", "small", "small/wide", "mma", "dequantize+linear", "bitsandbytes"),
             40: ("mma", "dequantize+linear", "bitsandbytes")}[M]  # fmt: skip
 
 
@@ -130,6 +132,7 @@ def launched_by(route: str, nested: bool) -> list:
     scales = ["bnb_dequantize_blockwise_f32"] if nested else []
     return {"gemv": [f"bnb_gemv_4bit_{sc}_{dt}"], "gemv/tglut": [f"bnb_gemv_4bit_tglut_{sc}_{dt}"],
             "batch": [f"bnb_gemm_4bit_batch_{sc}_{dt}"], "mma": [f"bnb_gemm_4bit_mma_{sc}_{dt}"],
+            "small": [f"bnb_gemm_4bit_small_{sc}_{dt}"], "small/wide": [f"bnb_gemm_4bit_small_wide_{sc}_{dt}"],
             "dequantize+linear": scales + [f"bnb_dequantize_4bit_nf4_{dt}"],
             # (bitsandbytes' gemm_4bit calls the dequantize ops through the dispatcher, where the same timings
             # make bitsandbytes' own CPU dequantize_blockwise serve; its CPU dequantize_4bit is no route here)
@@ -278,8 +281,9 @@ def test_always_measures_each_key_again_once_per_process_and_rewrites_it(monkeyp
     # (measuring bitsandbytes' gemm_4bit calls dequantize_blockwise, whose new key is measured too)
     assert measured.count("gemm_4bit") == 1, measured
     row = row_of("gemm_4bit")
-    assert row["clock"] == "host" and not row["cached"] and row["times"]["batch"] > 0
-    assert set(row["times"]) == {"gemv", "gemv/tglut", "batch", "mma", "dequantize+linear", "bitsandbytes"}, row
+    assert row["clock"] == "host" and not row["cached"] and row["times"]["small"] > 0
+    assert set(row["times"]) == {"gemv", "gemv/tglut", "batch", "small", "small/wide", "mma", "dequantize+linear",
+                                 "bitsandbytes"}, row
     (stored,) = [e for entries in json.loads(tuning.cache_path().read_text()).values() for k, e in entries.items()
                  if k == row["key"]]  # fmt: skip
     assert stored["clock"] == "host" and stored["times"] == row["times"] and stored["choice"] == row["choice"]
@@ -479,8 +483,8 @@ def test_the_tune_command_measures_every_candidate_on_the_emulated_tier_and_says
     assert sorted(rows) == sorted((s, M) for s in ("40x128", "24x96") for M in (1, 3, 33))
     for (shape, M), r in rows.items():
         K = int(shape.split("x")[1])
-        want = {"mma", "dequantize+linear"} | ({"gemv", "gemv/tglut", "batch"} if M <= 4 and K % 32 == 0
-                                               else {"batch"} if M <= 32 else set())  # fmt: skip
+        want = {"mma", "dequantize+linear"} | ({"gemv", "gemv/tglut"} if M <= 4 and K % 32 == 0 else set()) | (
+            {"batch", "small", "small/wide"} if M <= 32 else set())
         if K % 64 == 0:  # (on CPU tensors bitsandbytes' route only where no block straddles a row: candidates.py)
             want.add("bitsandbytes")
         assert set(r["times"]) == want and not r["errors"], r

@@ -72,7 +72,7 @@ def test_linear4bit_forward_every_path(dtype, quant_type, nested):
         Wq = reference_weight(W, layer.weight.data, layer.weight.quant_state, quant_type, 64, nested)
         bias = layer.bias.data.to(dtype)
         layer.eval()
-        for seq, path in ((1, "gemv_4bit"), (3, "gemm_4bit_batch"), (12, "gemm_4bit_mma")):
+        for seq, path in ((1, "gemv_4bit"), (3, "gemm_4bit_small"), (20, "gemm_4bit_mma")):
             x = rand(2 if seq > 1 else 1, seq, K, dtype=dtype, seed=seq)
             kernels.launches.clear()
             with torch.no_grad():
@@ -105,7 +105,7 @@ def test_linear4bit_training_step(dtype):
         backward = kernels.launched[len(forward):]
         opt = torch.optim.SGD([layer.bias], lr=0.5)
         opt.step()
-    assert forward == [f"bnb_gemm_4bit_mma_nested_{DT[dtype]}"]
+    assert forward == [f"bnb_gemm_4bit_small_nested_{DT[dtype]}"]  # (M = 14 rows)
     # (bitsandbytes dequantizes to the weight's original dtype, float32 here, then casts)
     assert "bnb_dequantize_4bit_nf4_f32" in backward and not matmul_launches(kernels)[1:]
     R.check_accuracy(y.detach().reshape(-1, N), x.detach().reshape(-1, K), Wq, bias0)

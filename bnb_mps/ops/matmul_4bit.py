@@ -98,43 +98,52 @@ def check_gemm_4bit(
 
 # -- kernels --------------------------------------------------------------------------------------
 #
-# One launch per call, of one of three kernels of csrc/kernels/gemm_4bit.metal, chosen from the
+# One launch per call, of one of four kernels of csrc/kernels/gemm_4bit.metal, chosen from the
 # shapes alone (M = rows of A, N = rows of the weight, K = its columns):
 #
 #   gemv   M <= GEMV_MAX_M            decode: bandwidth-bound, one pass over the weight with the
 #                                     activations in registers (the MLX qmv_fast design)
-#   batch  M <= SMALL_BATCH_MAX_M     a few rows of A: the same single pass over the weight, each
-#                                     weight chunk decoded once and used for every row of A (up to 8
-#                                     per threadgroup; rows past M cost nothing but registers)
+#   small  M <= SMALL_MAX_M           a few rows of A (speculative decoding, batched serving, short
+#                                     prompts): one pass over the weight for all M rows, 16 weight rows
+#                                     per threadgroup, the rows of A staged in threadgroup memory
 #   mma    larger M                   prefill / training: simdgroup_matrix tiles, the weight tile
 #                                     dequantized into threadgroup memory once per 32 rows of A
 #
-# Why these switch points: at M = 1 the product is a pure stream over the weight (2 flops per 4-bit
-# weight); the gemv kernel keeps the activations in registers and issues 16-byte weight loads with
-# no barrier. Up to 8 rows the batch kernel still reads the weight once (the extra rows only add
-# arithmetic on values already in registers, and rows past M are skipped), while the mma kernel
-# would spend 32-row tiles on at most 8 rows and pay two threadgroup barriers per K step. Above 8
-# rows the arithmetic (2*M*N*K) outgrows what scalar FMAs keep up with and the 8x8 matrix units
-# take over. The gemv kernel needs K % 32 == 0 and the batch kernel K % 16 == 0 (chunks of 32 / 16
-# nibbles per lane): M = 1 with K % 32 == 16 takes the batch kernel, and K % 16 != 0 (no real
-# model has it) the mma kernel, the only one that addresses nibbles one by one. Nothing here looks
-# at tensor data.
+# and the batch kernel (up to 8 rows of A per threadgroup, 8 weight rows; the weight read once per 8
+# rows of A), a tuning candidate for M <= BATCH_CANDIDATE_MAX_M, and the built-in path where the
+# others cannot run (M = 1 with K % 32 == 16).
 #
-# These switch points are the built-in order (`choose_path`): reasoning, not a measurement on a Mac.
-# Each path, and each kernel variant of a path (`<path>/<variant>`: "gemv/tglut", the gemv kernel
-# with its 16-entry table copied to threadgroup memory instead of read from constant memory), is a
-# route that the planners take as an argument (`route=`), so that tuning (bnb_mps.ops.tuning) can
-# measure every route `paths` offers for a shape on the user's GPU and plan the fastest.
+# Why these switch points (docs/tuning.md, "Small batches", has the figures): at M = 1 the product is
+# a pure stream over the weight (2 flops per 4-bit weight); the gemv kernel keeps the activations in
+# registers and issues 16-byte weight loads with no barrier. For 2 <= M <= 32 the built-in path is the
+# one the cost model (bnb_mps.emulator.profile: modelled DRAM traffic at the chip's bandwidth) gives
+# the least traffic among the paths that spread N over at least half the gemv kernel's threadgroups
+# (the parallelism that keeps a Mac's memory system busy at decode sizes, which the bandwidth model
+# does not see): that is the small kernel at every such M, dtype and shape (the batch kernel re-reads A
+# per 8 weight rows and the weight per 8 rows of A; the mma kernel reads less but over an eighth of the
+# gemv kernel's threadgroups). Above 32 rows the arithmetic (2*M*N*K) outgrows what scalar FMAs keep up
+# with and the 8x8 matrix units take over. The gemv kernel needs K % 32 == 0 and the batch and small
+# kernels K % 16 == 0 (chunks of 32 / 16 nibbles per lane): M = 1 with K % 32 == 16 takes the batch
+# kernel, and K % 16 != 0 (no real model has it) the mma kernel, the only one that addresses nibbles
+# one by one. Nothing here looks at tensor data.
+#
+# These switch points are the built-in order (`choose_path`): reasoning under the cost model, not a
+# measurement on a Mac. Each path, and each kernel variant of a path (`<path>/<variant>`: "gemv/tglut",
+# the gemv kernel with its 16-entry table copied to threadgroup memory instead of read from constant
+# memory; "small/wide", the small kernel with 8 weight rows per threadgroup, as many threadgroups as the
+# gemv kernel's), is a route that the planners take as an argument (`route=`), so that tuning
+# (bnb_mps.ops.tuning) can measure every route `paths` offers for a shape on the user's GPU and plan
+# the fastest.
 GEMV_MAX_M = 1
-SMALL_BATCH_MAX_M = 8
+SMALL_MAX_M = 32
 
 #: route names of the kernel paths and variants -> the multiple of K their kernel needs (nibbles per
-#: lane per step of the gemv and batch kernels; the mma kernel addresses nibbles one by one)
-PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "mma": 1}
+#: lane per step of the gemv, batch and small kernels; the mma kernel addresses nibbles one by one)
+PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "small": 16, "small/wide": 16, "mma": 1}
 
-# Rows of A up to which the gemv and batch kernels are worth measuring against the mma kernel: the
-# gemv kernel reads the whole weight once per row of A, the batch kernel once per 8 rows, the mma
-# kernel once per 32; with more rows than these, they read it more often than the mma kernel does.
+# Rows of A up to which the gemv and batch kernels are worth measuring against the others: the gemv
+# kernel reads the whole weight once per row of A, the batch kernel once per 8 rows, the small and
+# mma kernels once per 32; with more rows than these, they read it more often than the mma kernel does.
 # These and the switch points above are powers of two, as tuning's buckets of M are (every M of a
 # bucket has the same paths and the same built-in one).
 GEMV_CANDIDATE_MAX_M = 4
@@ -142,6 +151,7 @@ BATCH_CANDIDATE_MAX_M = 32
 
 _ROWS_PER_TG = 8  # weight rows per threadgroup in the gemv / batch kernels
 _BATCH_M = 8  # rows of A per threadgroup in the batch kernel
+_SMALL_ROWS_PER_TG = 16  # weight rows per threadgroup in the small kernel (all M rows of A)
 _MMA_BM, _MMA_BN = 32, 64  # output tile of the mma kernel (rows of A x rows of W)
 
 _TABLES = {"code": 0, "nf4": 1, "fp4": 2}
@@ -150,11 +160,12 @@ _FLAG_BIAS, _FLAG_AVEC = 1, 2
 
 
 def choose_path(M: int, N: int, K: int) -> str:
-    """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "batch" or "mma" (shapes only)."""
+    """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "small", "batch" or "mma" (shapes
+    only)."""
     if M <= GEMV_MAX_M and K % PATH_K_MULTIPLE["gemv"] == 0:
         return "gemv"
-    if M <= SMALL_BATCH_MAX_M and K % PATH_K_MULTIPLE["batch"] == 0:
-        return "batch"
+    if M <= SMALL_MAX_M and K % PATH_K_MULTIPLE["small"] == 0:
+        return "small" if M > 1 else "batch"  # (M = 1 with K % 32 == 16: the gemv kernel's walk, 8 rows)
     return "mma"
 
 
@@ -165,7 +176,8 @@ def paths(M: int, N: int, K: int) -> tuple[str, ...]:
     if M == 0 or N == 0 or K == 0:
         return (default,)
     valid = [p for p, limit in (("gemv", GEMV_CANDIDATE_MAX_M), ("gemv/tglut", GEMV_CANDIDATE_MAX_M),
-                                ("batch", BATCH_CANDIDATE_MAX_M), ("mma", None))
+                                ("batch", BATCH_CANDIDATE_MAX_M), ("small", SMALL_MAX_M),
+                                ("small/wide", SMALL_MAX_M), ("mma", None))
              if (limit is None or M <= limit) and K % PATH_K_MULTIPLE[p] == 0]  # fmt: skip
     return (default, *(p for p in valid if p != default))
 
@@ -217,6 +229,8 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     if path not in PATH_K_MULTIPLE or K % PATH_K_MULTIPLE[path]:
         raise ValueError(f"{b.op}: route {path!r} cannot compute a product with K = {K} (routes: "
                          f"{', '.join(f'{p} (K % {k} == 0)' for p, k in PATH_K_MULTIPLE.items())})")
+    if path.startswith("small") and M > SMALL_MAX_M:
+        raise ValueError(f"{b.op}: route {path!r} computes at most {SMALL_MAX_M} rows of A, got M = {M}")
     if M == 0 or N == 0 or K == 0:  # K == 0: an empty sum, only the bias (see _empty_sum)
         return
     A_ref, lda, A_start_aligned = _bind_A(b, A)
@@ -248,6 +262,10 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     elif path == "batch":
         name = f"bnb_gemm_4bit_batch_{sc}_{dt}"
         grid, threads = (math.ceil(N / _ROWS_PER_TG), math.ceil(M / _BATCH_M), 1), (128, 1, 1)
+    elif path in ("small", "small/wide"):
+        variant, rows = ("_wide", _ROWS_PER_TG) if path == "small/wide" else ("", _SMALL_ROWS_PER_TG)
+        name = f"bnb_gemm_4bit_small{variant}_{sc}_{dt}"
+        grid, threads = (math.ceil(N / rows), 1, 1), (8 * rows, 1, 1)
     else:
         name = f"bnb_gemm_4bit_mma_{sc}_{dt}"
         grid, threads = (math.ceil(M / _MMA_BM), math.ceil(N / _MMA_BN), 1), (128, 1, 1)

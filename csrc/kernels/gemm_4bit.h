@@ -6,8 +6,8 @@
 // `lda` (elements), y is [M, N] contiguous. Everything accumulates in float32 and is rounded once
 // to T at the end (bias added before that rounding).
 //
-// Three kernels share one set of buffers and scalars (see gemm_4bit.metal); the op layer picks
-// one by (M, N, K), never by data:
+// These three kernels and gemm_4bit_small.h's share one set of buffers and scalars (see
+// gemm_4bit.metal); the op layer picks one by (M, N, K), never by data:
 //
 //   bnb_gemv_4bit        M = 1 (decode). The MLX qmv_fast design: 2 simdgroups x 4 output rows
 //                        per threadgroup; each lane holds 32 activations in registers and reads,
@@ -17,7 +17,8 @@
 //                        dequantizes the 32 weights with it (see "Rounding" below); one
 //                        sum over the lanes per row at the end; no threadgroup barrier (the
 //                        threadgroup-table variant has one, before the loop). Needs K % 32 == 0.
-//   bnb_gemm_4bit_batch  2 <= M <= 8 (small batch), and M = 1 when K % 32 != 0. The same weight
+//   bnb_gemm_4bit_batch  M = 1 when K % 32 != 0, and a tuning candidate up to M = 32 (the built-in
+//                        path for 2 <= M <= 32 is bnb_gemm_4bit_small, gemm_4bit_small.h). The same weight
 //                        walk with 8-byte (16-nibble) chunks, 4 simdgroups x 2 rows per
 //                        threadgroup, up to 8 rows of A per threadgroup: each lane dequantizes
 //                        its 16 weights per row once and uses them for every row of A.

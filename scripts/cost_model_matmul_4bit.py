@@ -1,0 +1,152 @@
+"""The 4-bit products' figures under the cost model (bnb_mps.emulator.profile), per kernel path and row
+count M: the table of docs/tuning.md ("Small batches"), and what tests/test_small_batch_cost.py asserts.
+
+    python scripts/cost_model_matmul_4bit.py [--shapes 3072x1024,1024x3072] [--m 1,2,...] [--dtype float16]
+
+One call = one gemm_4bit call on a nested NF4 weight (blocksize 64, as QLoRA loads a model), profiled by
+the emulator (`use_emulated_kernels(profile=True)`): its launches, threadgroups, modelled DRAM traffic
+(the profile's largest traffic term, `traffic_bytes`: lines each threadgroup touches, summed), the part
+of it that is A's, and the unique bytes (lines touched at all). Modelled time on a chip = traffic /
+its peak bandwidth (bnb_mps.chips): a figure of the model, not of hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+BLOCKSIZE = 64
+A_ARG, B_ARG = 0, 1  # buffer indices of A and the packed weight (csrc/kernels/gemm_4bit.metal)
+
+
+@dataclass(frozen=True)
+class Figures:
+    path: str
+    M: int
+    kernels: tuple[str, ...]
+    threadgroups: int
+    traffic: int  # modelled DRAM traffic, bytes
+    a_traffic: int  # the part of it in A's buffer
+    a_lines: int  # lines of A touched at all
+    b_traffic: int  # the part of the traffic in the packed weight's buffer
+    b_lines: int  # lines of the packed weight touched at all
+    unique: int  # bytes of the lines touched at all
+
+    @property
+    def other_traffic(self) -> int:
+        """Everything but A: the weight, its scales, the bias, the output."""
+        return self.traffic - self.a_traffic
+
+    def seconds(self, gbps: float) -> float:
+        return self.traffic / (gbps * 1e9)
+
+
+@lru_cache(maxsize=8)
+def weight(N: int, K: int):
+    """A nested NF4 weight of [N, K] (packed, nested absmax, 8-bit codes, code, offset), on the CPU."""
+    from bitsandbytes.functional import create_dynamic_map
+
+    code = create_dynamic_map(signed=True)
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(N * 7 + K))
+    packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, BLOCKSIZE, "nf4", torch.uint8)
+    offset = absmax.mean()
+    q8, nested = torch.ops.bitsandbytes.quantize_blockwise(absmax - offset, code, 256)
+    return packed, nested, q8, code, offset.reshape(1)
+
+
+def profile(N: int, K: int, M: int, dtype: torch.dtype, path: Optional[str] = None) -> Figures:
+    """One gemm_4bit call of M rows on the built-in route (path None) or the kernel path `path`."""
+    from bnb_mps.ops import OPS, call, matmul_4bit
+    from bnb_mps.testing import use_emulated_kernels
+
+    packed, nested, q8, code, offset = weight(N, K)
+    A = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    args = (A, packed, [N, K], nested, BLOCKSIZE, "nf4", None, q8, code, offset)
+    with use_emulated_kernels(profile=True) as rec:
+        if path is None:
+            call(OPS["gemm_4bit"], args, {}, rec)
+        else:
+            matmul_4bit.gemm_4bit(rec, *args, route=path)
+    ps = rec.profiles
+    return Figures(path or matmul_4bit.choose_path(M, N, K), M, tuple(rec.launched),
+                   sum(p.threadgroups for p in ps), sum(p.traffic_bytes for p in ps),
+                   sum(p.buffers[A_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
+                   max(p.buffers[A_ARG].lines for p in ps),
+                   sum(p.buffers[B_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
+                   max(p.buffers[B_ARG].lines for p in ps), sum(p.lines * p.line_bytes for p in ps))  # fmt: skip
+
+
+def a_floor(N: int, K: int, M: int, dtype: torch.dtype, gemv_threadgroups: int) -> int:
+    """The least A traffic the cost model charges any one-launch kernel that reads each weight byte once
+    and spreads N over at least half the gemv kernel's threadgroups: every threadgroup that computes a
+    column of y reads all M rows of A over the whole of K (no threadgroup can finish another's sums
+    without a temporary), so A costs (threadgroups) x (A's bytes) at least."""
+    return math.ceil(gemv_threadgroups / 2) * M * K * dtype.itemsize
+
+
+#: the chips of the table (bnb_mps.chips): the oldest base chip, a Max, a Pro, the newest base chip
+CHIPS = ("M1", "M3 Max", "M4 Pro", "M5")
+DEFAULT_SHAPES = "3072x1024,1024x3072,4096x4096"
+DEFAULT_M = "1,2,3,4,5,6,8,12,16,24,32,48,64"
+
+
+def routes(M: int, N: int, K: int) -> list[str]:
+    """The kernel routes of a call (bnb_mps.ops.matmul_4bit.paths), the built-in one first, without
+    gemv/tglut (the gemv kernel's traffic: only the table's address space differs)."""
+    from bnb_mps.ops import matmul_4bit
+
+    return [p for p in matmul_4bit.paths(M, N, K) if p != "gemv/tglut"]
+
+
+def table(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out=sys.stdout) -> list[Figures]:
+    """Prints, per shape and M, each route's figures; returns them all."""
+    from bnb_mps import chips
+
+    gbps = {c: chips.bandwidth(c) for c in CHIPS}
+    rows: list[Figures] = []
+    for N, K in shapes:
+        base = profile(N, K, 1, dtype)
+        print(f"\n{N}x{K} (N x K), nested NF4, blocksize {BLOCKSIZE}, {str(dtype).removeprefix('torch.')}; "
+              f"M = 1 built-in ({base.path}): {base.traffic / 1e6:.3f} MB, {base.threadgroups} threadgroups", file=out)
+        head = ["M", "path", "traffic MB", "vs M=1", "A MB", "unique MB", "threadgroups", "vs M=1"]
+        head += [f"{c} us" for c in CHIPS]
+        print(" | ".join(head), file=out)
+        print(" | ".join("---" for _ in head), file=out)
+        for M in ms:
+            for i, path in enumerate(routes(M, N, K)):
+                f = profile(N, K, M, dtype, None if i == 0 else path)
+                rows.append(f)
+                cells = [str(M), path + (" *" if i == 0 else ""), f"{f.traffic / 1e6:.3f}",
+                         f"{f.traffic / base.traffic:.2f}", f"{f.a_traffic / 1e6:.3f}", f"{f.unique / 1e6:.3f}",
+                         str(f.threadgroups), f"{f.threadgroups / base.threadgroups:.2f}"]  # fmt: skip
+                cells += [f"{f.seconds(gbps[c]) * 1e6:.1f}" for c in CHIPS]
+                print(" | ".join(cells), file=out, flush=True)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"NxK,... (default {DEFAULT_SHAPES})")
+    parser.add_argument("--m", default=DEFAULT_M, help=f"rows of A (default {DEFAULT_M})")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    args = parser.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
+    ms = [int(m) for m in args.m.split(",")]
+    start = time.perf_counter()
+    print("Figures of the cost model (bnb_mps.emulator.profile under the emulator), not of hardware: modelled DRAM "
+          "traffic = lines each threadgroup touches, summed; unique = lines touched at all; time = traffic / the chip's "
+          "peak bandwidth (bnb_mps.chips). * = the built-in route (bnb_mps.ops.matmul_4bit.choose_path).")
+    table(shapes, ms, getattr(torch, args.dtype))
+    print(f"\n({time.perf_counter() - start:.0f} s under the emulator)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
