@@ -170,7 +170,7 @@ def test_every_op_on_the_shader_tier_equals_the_emulated_tier_with_tuning_off(op
 
 # -- the check: quantize, dequantize, gemm_4bit at M = 1, 5, 40, an 8-bit optimizer step --------------
 
-PATHS = {1: "gemv", 5: "batch", 40: "mma"}
+PATHS = {1: "gemv", 5: "small", 40: "mma"}
 
 
 def qlora_calls():
@@ -189,7 +189,7 @@ def test_the_qlora_ops_on_the_shader_tier_equal_the_emulated_tier_then_tune_with
     with use_emulated_kernels() as emulated:
         want = [run(op, clone(args)) for op, args in calls]
     gemm_kernels = [k for k in emulated.launched if k.startswith("bnb_gemm") or k.startswith("bnb_gemv")]
-    assert [path_of(k) for k in gemm_kernels] == ["gemv", "batch", "mma"]  # (each path of the products)
+    assert [path_of(k) for k in gemm_kernels] == list(PATHS.values())  # (each built-in path of the products)
     with use_modelled_mps(version) as mps:
         got = [run(op, clone(args)) for op, args in calls]
         assert mps.runtime.counts["elapsed_time"] == 0  # (tuning off: nothing timed)
@@ -256,7 +256,7 @@ def test_a_reversed_timing_is_retried_once_and_the_route_kept(monkeypatch, _own_
         bnb.gemm_4bit.default(*args)
         rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
     assert failed and len(rows) == 1 and not rows[0]["errors"], rows
-    assert set(rows[0]["times"]) >= {"batch", "mma", "dequantize+linear"}, rows
+    assert set(rows[0]["times"]) >= {PATHS[5], "mma", "dequantize+linear"}, rows
     assert rows[0]["key"] in json.dumps(json.loads(_own_tuning.read_text()))
 
 
@@ -273,9 +273,9 @@ def test_a_timing_that_fails_twice_serves_the_built_in_route_and_caches_nothing(
         monkeypatch.setattr(torch._C, "_mps_elapsedTimeOfEvents", always_reversed)
         with caplog.at_level(logging.WARNING, logger="bnb_mps"):
             got, _ = run("gemm_4bit", args)
-        assert [k for k in mps.launched if "gemm" in k or "gemv" in k][-1].startswith("bnb_gemm_4bit_batch")
+        assert path_of([k for k in mps.launched if "gemm" in k or "gemv" in k][-1]) == PATHS[5]
         rows = bnb_mps.tuning_table()
-    assert identical(got, want)  # (the built-in route: batch at M = 5)
+    assert identical(got, want)  # (the built-in route at M = 5)
     assert rows == [] and not (_own_tuning.exists() and json.loads(_own_tuning.read_text()))
     assert "not tuned" in caplog.text and "twice" in caplog.text
 
