@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import extras
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
-pytest.importorskip("matplotlib")
+transformers = extras.require("transformers")
+extras.require("peft")
+extras.require("matplotlib")
+extras.require("tqdm")  # (the kernel check's progress bar)
 
 import bitsandbytes  # noqa: E402,F401  (defines the ops)
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import extras
 import pytest
 
 from bnb_mps.msl import lint as msl_lint
@@ -180,7 +181,7 @@ def test_every_unit_preprocessed_at_each_language_version_pins_contraction_first
     from bnb_mps.msl import math_mode
 
     if math_mode.find_preprocessor() is None:
-        pytest.skip("no C preprocessor here")
+        extras.missing("clang", "no C preprocessor here")
     units = kernel_source.units()
     assert set(units) == {p.stem for p in kernel_source.kernel_dir().glob("*.metal")}
     for name, text in units.items():
@@ -197,7 +198,7 @@ def test_the_preprocessed_check_fails_a_unit_that_pins_too_late():
     from bnb_mps.msl import math_mode
 
     if math_mode.find_preprocessor() is None:
-        pytest.skip("no C preprocessor here")
+        extras.missing("clang", "no C preprocessor here")
     late = "#include <metal_stdlib>\n#pragma clang fp contract(off)\nkernel void k() {}\n"
     conditional = "#if __METAL_VERSION__ >= 320\n#pragma clang fp contract(off)\n#endif\nkernel void k() {}\n"
     assert math_mode.preprocessed_finding(math_mode.preprocess(late, 320)) is not None
