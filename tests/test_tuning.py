@@ -514,3 +514,169 @@ def test_model_shapes():
     assert [(N, K) for _, N, K in model_shapes.layers("Qwen2.5-7B")] == [(3584, 3584), (512, 3584), (18944, 3584),
                                                                          (3584, 18944)]  # fmt: skip
     assert len(model_shapes.layers("Flux-block")) == 6  # (proj_mlp has the feed-forward's shape)
+
+
+# -- faults these tests guard against (docs/tests.md, scripts/mutation_check.py) -----------------------------
+
+
+def small_gemm(M=3):
+    return gemm_args(M, N=24, K=128)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "machines of lists", "a directory"])
+def test_a_malformed_or_unreadable_cache_counts_as_empty_and_the_call_is_measured(monkeypatch, content):
+    """Fault T15: the cache read with a plain json.loads (or an entry of the wrong kind followed blindly)
+    makes the user's call raise. Nothing here fixes the timings: the cache is read, as on a Mac, and
+    the call is measured (the emulated kernels on the host's clock) and served by its choice."""
+    path = tuning.cache_path()
+    args = small_gemm()
+    if content == "a directory":
+        path.mkdir()
+    elif content == "machines of lists":  # (every machine's entries, this one's too, not an object)
+        with use_emulated_kernels(), fixed_timings(times_favouring("mma")):
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+        path.write_text(json.dumps({machine: [1, 2] for machine in json.loads(path.read_text())}))
+        tuning.reset()
+    else:
+        path.write_text(content)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    with use_emulated_kernels():
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    row = row_of("gemm_4bit")
+    assert not row["cached"] and row["clock"] == "host", row
+    assert set(row["times"]) == set(candidates_of(3)) and not row["errors"], row
+    assert same_bits(got, gemm_by_hand(row["choice"], args)), row["choice"]
+
+
+def test_a_cached_choice_is_checked_against_todays_candidates(monkeypatch):
+    """Fault T9: a choice read back from the cache served without being checked against today's
+    candidates: a route excluded since (BNB_MPS_TUNE_EXCLUDE), or whose family failed verification
+    since, still served. The cached dequantize+linear is excluded now: the key is measured again."""
+    args = small_gemm()
+    with use_emulated_kernels(), fixed_timings(times_favouring("dequantize+linear")):
+        bnb.gemm_4bit.default(*copy.deepcopy(args))
+    assert row_of("gemm_4bit")["choice"] == "dequantize+linear"
+    tuning.reset()  # (a new process: what this one decided is forgotten, the cache stays)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "dequantize+linear,bitsandbytes")
+    with use_emulated_kernels() as kernels:
+        bnb.gemm_4bit.default(*copy.deepcopy(args))
+        kernels.clear()
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    row = row_of("gemm_4bit")
+    assert not row["cached"] and row["choice"] in ("gemv", "gemv/tglut", "batch", "mma"), row
+    assert row["left_out"] == dict.fromkeys(["dequantize+linear", "bitsandbytes"], "excluded by BNB_MPS_TUNE_EXCLUDE")
+    assert len(kernels.launched) == 1 and kernels.launched[0].startswith("bnb_g"), kernels.launched  # (one product)
+    assert same_bits(got, gemm_by_hand(row["choice"], args))
+
+
+STRIDED = {"every second column of a wider A": lambda A: torch.cat([A, A], 1).reshape(A.shape[0], 2, -1)
+           .transpose(1, 2).reshape(A.shape[0], -1)[:, ::2],  # fmt: skip
+           "A transposed": lambda A: A.t().contiguous().t(),
+           "a row offset": lambda A: torch.cat([torch.zeros(1, A.shape[1], dtype=A.dtype), A])[1:]}
+
+
+@pytest.mark.parametrize("layout", sorted(STRIDED))
+@pytest.mark.parametrize("M,route", [(3, "gemv"), (3, "batch"), (3, "dequantize+linear"), (3, "bitsandbytes"),
+                                     (40, "mma")])  # fmt: skip
+def test_a_choice_made_for_a_contiguous_A_serves_another_layout_of_its_key_correctly(M, route, layout):
+    """Fault R3b: a choice built for a contiguous A kept for a strided signature of the same shape key
+    gave wrong results. Tuned on a contiguous A, the same rows laid out otherwise give the route's
+    result for that layout (the route computed directly), bit for bit."""
+    args = gemm_args(M, bias=True)
+    strided = copy.deepcopy(args)
+    strided[0] = STRIDED[layout](args[0])
+    assert torch.equal(strided[0], args[0]) and not strided[0].is_contiguous() or layout == "a row offset"
+    assert strided[0].storage_offset() > 0 or layout != "a row offset"
+    want = gemm_by_hand(route, strided)
+    with use_emulated_kernels(), fixed_timings(times_favouring(route)):
+        bnb.gemm_4bit.default(*copy.deepcopy(args))  # (the choice, made for a contiguous A)
+        got = bnb.gemm_4bit.default(*strided)
+    assert [r["choice"] for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"] == [route]
+    assert same_bits(got, want)
+
+
+GEMM_KEY_FIELDS = {"bias": dict(bias=True), "dtype": dict(dtype=torch.float16), "nested": dict(nested=False),
+                   "quant_type": dict(quant_type="fp4"), "blocksize": dict(blocksize=128), "N": dict(N=40),
+                   "K": dict(K=192), "M bucket": dict(M=9)}  # fmt: skip
+
+
+def test_the_gemm_shape_key_tells_apart_every_field_a_route_depends_on():
+    """Faults T3 (bias dropped from the matmul shape key) and kin: a call that differs from another in
+    one field only (bias or not, A's dtype, nested scales, quant_type, blocksize, N, K, M's bucket) is
+    decided on its own, never served by the other's choice."""
+    base = dict(M=3, N=24, K=128)
+    times = dict.fromkeys(ALL_ROUTES, 1e-3)
+    with use_emulated_kernels():
+        with fixed_timings({**times, "gemv": 1e-4}):
+            bnb.gemm_4bit.default(*gemm_args(**base))
+        for field, change in GEMM_KEY_FIELDS.items():
+            route = "mma" if change.get("M", 3) > 4 else "batch"
+            with fixed_timings({**times, route: 1e-4}):
+                bnb.gemm_4bit.default(*gemm_args(**{**base, **change}))
+            assert row_of("gemm_4bit", key=gemm_key(**{**base, **change}))["choice"] == route, field
+    rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
+    assert len(rows) == 1 + len(GEMM_KEY_FIELDS) and row_of("gemm_4bit", key=gemm_key(**base))["choice"] == "gemv"
+
+
+def gemm_key(M, N, K, dtype=torch.float32, nested=True, bias=False, blocksize=64, quant_type="nf4"):
+    """The key of a gemm_4bit call, as bnb_mps.ops.candidates' docstring describes it."""
+    rows = f"M<={candidates.m_bucket(M)}"
+    return (f"gemm_4bit {str(dtype)[6:]} {rows} N={N} K={K} blocksize={blocksize} {quant_type}"
+            f"{' nested' if nested else ''}{' bias' if bias else ''}")
+
+
+GENERIC_VARIANTS = {
+    "quantize_blockwise": [lambda dt: [torch.randn(3000, generator=torch.Generator().manual_seed(2)).to(dt),
+                                       F.create_dynamic_map(signed=True), 256]],
+    "quantize_4bit": [lambda dt: [torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).to(dt), 64, "nf4",
+                                  torch.uint8]],
+    "dequantize_blockwise": [lambda dt: [torch.randint(0, 256, (3000,), dtype=torch.uint8,
+                                                       generator=torch.Generator().manual_seed(5)),
+                                         torch.rand(12, generator=torch.Generator().manual_seed(6)) + 0.5,
+                                         F.create_dynamic_map(signed=True), 256, dt]],
+    "optimizer_update_32bit": [lambda dt: ["adam", *(torch.randn(3000, generator=torch.Generator().manual_seed(s))
+                                                     .to(dt) for s in (3, 4)), torch.zeros(3000), torch.zeros(3000),
+                                           None, 0.0, 0.0, 0.9, 0.999, 0.0, 0.0, 1e-8, 0.01, 3, 1e-3, 1.0, False]],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC_VARIANTS))
+def test_the_shape_key_of_quantize_dequantize_and_optimizer_ops_tells_dtypes_apart(name):
+    """Fault T4: the dtype dropped from the generic shape key, so that a float16 call took the choice
+    measured for float32 (quantize, dequantize, the optimizers). Each dtype is decided on its own and
+    served by its own choice."""
+    (make,) = GENERIC_VARIANTS[name]
+    for dtype, route in ((torch.float32, "kernel"), (torch.float16, "bitsandbytes")):
+        args = make(dtype)
+        if route == "bitsandbytes":
+            want_args = copy.deepcopy(args)
+            want = ops.op_packet(name)(*want_args)  # bitsandbytes' own CPU implementation
+        with use_emulated_kernels(), fixed_timings(times_favouring(route)):
+            got = ops.op_packet(name)(*args)
+        if route == "bitsandbytes":
+            assert same_bits(got, want) and same_bits(args, want_args)
+    choices = sorted((r["choice"], r["key"]) for r in bnb_mps.tuning_table() if r["op"] == name)
+    assert [c for c, _ in choices] == ["bitsandbytes", "kernel"], choices
+    assert "float16" in choices[0][1] and "float16" not in choices[1][1], choices
+
+
+def test_timing_reports_seconds_per_call():
+    """Fault T12: timing reported the time of a batch of calls instead of one call. A call that takes
+    0.1 ms (a busy wait on the host's clock) is reported at about 0.1 ms: batches of ten such calls
+    make the 1 ms a batch lasts at least, so time per batch would read ten times as much."""
+    import time
+
+    from bnb_mps.ops import timing
+
+    calls = []
+
+    def call(duration=1e-4):
+        calls.append(1)
+        end = time.perf_counter() + duration
+        while time.perf_counter() < end:
+            pass
+
+    got = timing.seconds(call, False)
+    assert 0.9e-4 <= got <= 3e-4, got
+    assert len(calls) >= 10  # (batches of several calls were timed)
