@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import bitsandbytes.functional as F
+import extras
 import pytest
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -452,6 +453,7 @@ def test_mps_a_real_shape_is_measured_on_the_gpu_clock(monkeypatch):
 
 
 def test_the_tune_command_measures_every_candidate_on_the_emulated_tier_and_says_the_times_mean_nothing(tmp_path):
+    extras.require("matplotlib")  # (for the chart; a test extra: under CI its absence fails this test)
     out_json, chart = tmp_path / "tune.json", tmp_path / "tune.png"
     env = {**os.environ, tuning.CACHE_ENV_VAR: str(tmp_path / "cache.json")}
     env.pop("BNB_MPS_EXECUTOR", None)
@@ -474,12 +476,30 @@ def test_the_tune_command_measures_every_candidate_on_the_emulated_tier_and_says
         assert set(r["times"]) == want and not r["errors"], r
         assert all(t > 0 for t in r["times"].values()) and r["choice"] in want and r["dense_fp16_linear"] > 0
         assert (r["gbps"] is not None) == (M == 1) and r["share_of_peak"] is None
-    assert chart.read_bytes()[:4] == b"\x89PNG" or "no chart" in run.stdout
+    assert f"chart: {chart}" in run.stdout and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # (matplotlib: above)
     cached = json.loads((tmp_path / "cache.json").read_text())
     assert sorted(k for entries in cached.values() for k in entries if k.startswith("gemm_4bit")) == sorted(
         r["key"] for r in report["rows"])  # fmt: skip
     info = subprocess.run([sys.executable, "-m", "bnb_mps"], capture_output=True, text=True, env=env, timeout=600)
     assert info.returncode == 0 and "emulated: gemm_4bit float16 M<=1 N=40 K=128 blocksize=64 nf4 nested" in info.stdout
+
+
+def test_the_tune_chart_is_drawn_where_matplotlib_is_and_said_to_be_missing_where_it_is_not(tmp_path, monkeypatch):
+    """The chart test's fault: it read the chart before checking for "no chart", so it failed wherever
+    matplotlib was missing. The chart of two rows is a PNG; without matplotlib there is none, and
+    no file."""
+    from bnb_mps import tune_command
+
+    rows = [{"shape": "40x128", "M": M, "times": {"mma": 1e-3 * M, "dequantize+linear": 2e-3}, "dense_fp16_linear": 5e-4,
+             "mlx_quantized_matmul": None} for M in (1, 3)]  # fmt: skip
+    extras.require("matplotlib")
+    drawn = tmp_path / "drawn.png"
+    assert tune_command.chart(rows, str(drawn), "emulated", False) == str(drawn)
+    assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (its import raises ImportError)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    assert tune_command.chart(rows, str(tmp_path / "none.png"), "emulated", False) is None
+    assert not (tmp_path / "none.png").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
