@@ -1,0 +1,90 @@
+"""The demo kernel check's bound (bnb_mps.demo.check), as pure functions on synthetic figures: the
+error allowed per 4-bit product (docs/semantics.md section 4, read as the tests read it: 4 float32
+ulps of sum |a*w| up to K = 1024 terms, growing like sqrt(K) beyond), the perturbation that moves
+every product by that much with random signs, the allowed logit difference over the sign draws, and
+the two verdicts. Faults DC1, DC2, DC4 and DC5 of the audit (docs/tests.md). The demo's whole run is
+tests/test_demo.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bnb_mps.demo import check
+
+
+@pytest.mark.parametrize("K,ulps", [(64, 4.0), (384, 4.0), (1024, 4.0), (1408, 4.0 * math.sqrt(1.375)), (4096, 8.0),
+                                    (16384, 16.0)])  # fmt: skip
+def test_the_error_allowed_per_product_grows_like_sqrt_K_beyond_1024_terms(K, ulps):
+    """Fault DC1: the sqrt(K / 1024) growth dropped or changed; the demo's own products (K = 384) never
+    reach it, the section's reading does at K = 1408 (a 7B model's 11008 / 8) and 4096."""
+    assert check.product_ulps(K) == pytest.approx(ulps, rel=1e-12)
+
+
+def logits(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_the_allowed_difference_is_the_largest_of_every_draw_not_the_last():
+    """Fault DC2: the allowed difference taken from the last sign draw instead of the largest. Three
+    draws whose largest absolute change is the second's, and largest relative change the first's."""
+    stock = logits([1.0, -2.0, 4.0], [8.0, 0.5, -1.0])
+    draws = [
+        [(logits([1.375, -2.0, 4.0], [8.0, 0.5, -1.0]), stock)],  # abs 0.375, rel 0.375 / 4 = 0.09375
+        [(logits([1.0, -2.0, 4.0], [8.0, 0.5, -1.5]), stock)],  # abs 0.5, rel 0.5 / 8 = 0.0625
+        [(logits([1.125, -2.0, 4.0], [8.0, 0.5, -1.0]), stock)],  # abs 0.125, rel 0.125 / 4 = 0.03125
+    ]
+    assert check.allowed_difference(draws) == (0.5, 0.09375)
+    # a draw compares two pairs (the evaluation batch, the sample's tokens): either one counts
+    two = [[(logits([0.0, 1.0]), logits([0.0, 1.0])), (logits([0.0, 3.0]), logits([0.0, 2.0]))]]
+    assert check.allowed_difference(two) == (1.0, 0.5)
+
+
+@pytest.mark.parametrize("gap_over_allowed,could", [(0.5, True), (1.0, True), (1.5, True), (1.99, True), (2.0, True),
+                                                    (2.01, False), (3.0, False)])  # fmt: skip
+def test_a_token_could_change_where_the_top_two_lie_within_twice_the_allowed_difference(gap_over_allowed, could):
+    """Fault DC5: the gap compared with the allowed difference once (or any other factor but two):
+    each of the top two logits may move by the allowed difference, towards the other, so a gap between
+    1x and 2x the allowed difference can swap them."""
+    allowed = 0.375
+    assert check.could_change_a_token(gap_over_allowed * allowed, allowed, moved_a_token=False) is could
+    assert check.could_change_a_token(gap_over_allowed * allowed, allowed, moved_a_token=True) is True
+
+
+def test_logits_are_within_only_if_both_differences_are():
+    assert check.logits_within(0.1, 0.01, 0.1, 0.01)
+    assert not check.logits_within(0.1000001, 0.01, 0.1, 0.01)
+    assert not check.logits_within(0.1, 0.0100001, 0.1, 0.01)
+
+
+def test_the_perturbation_moves_each_product_by_its_allowed_error_with_random_signs():
+    """Fault DC4: no random signs (every product moved the same way) or another size. A 4-bit layer of
+    K = 4096 (where the allowed error is 8 ulps): each output moves by 8 float32 ulps of its sum
+    |a*w| (+ |bias|), computed here in float64 from bitsandbytes' dequantized weight, up to the
+    rounding of the moved result to float32; about half of them up, half down."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(0)
+    K, N = 4096, 64
+    layer = bnb.nn.Linear4bit(K, N, bias=True, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(N, K), requires_grad=False, quant_type="nf4")
+    layer.bias = torch.nn.Parameter(torch.randn(N))
+    model = torch.nn.Sequential(layer).to("cpu")
+    x = torch.randn(3, K)
+    with torch.no_grad():
+        stock = model(x)
+        products = check.Products(model)
+        with products.perturb(torch.Generator().manual_seed(5)):
+            moved = model(x)
+    W = F.dequantize_4bit(layer.weight.data, layer.weight.quant_state).double().numpy()
+    S = np.abs(x.double().numpy()) @ np.abs(W).T + np.abs(layer.bias.detach().double().numpy())
+    allowed = 8.0 * np.spacing(S.astype(np.float32)).astype(np.float64)
+    delta = moved.double().numpy() - stock.double().numpy()
+    rounding = np.spacing(np.abs(moved.numpy())).astype(np.float64)
+    assert np.all(np.abs(np.abs(delta) - allowed) <= rounding), np.abs(np.abs(delta) - allowed).max()
+    up = float((delta > 0).mean())
+    assert 0.35 < up < 0.65, up
