@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def python(code: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     """A Python process running `code` with this checkout's bnb_mps, and `env` added to the environment."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))  # (what is set first stays first)
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
