@@ -104,6 +104,10 @@ FAULTS = [
     Fault("T16", "bnb_mps/ops/tuning.py", '    return frozenset(r.strip() for r in os.environ.get(EXCLUDE_ENV_VAR, "").split(",") if r.strip())',
           '    return frozenset(os.environ.get(EXCLUDE_ENV_VAR, "").split(","))', (TUNING, "-k", "excluded_routes"),
           "BNB_MPS_TUNE_EXCLUDE takes names with spaces around them"),
+    Fault("T17", "bnb_mps/ops/candidates.py", "    if M > MAX_M_BUCKET:\n", "    if M >= MAX_M_BUCKET:\n",
+          (TUNING, "-k", "rounds_rows"), "rows up to 4096 have buckets of their own"),
+    Fault("T18", "bnb_mps/ops/tuning.py", "float(seconds), cached=True)", "float(seconds), cached=False)",
+          (TUNING, "-k", "read_by_a_new_process"), "the table says which choices came from the cache"),
     # -- timing (bnb_mps/ops/timing.py) ------------------------------------------------------------------------
     Fault("T12", "bnb_mps/ops/timing.py", "samples.append(batch(call, n) / n)", "samples.append(batch(call, n))",
           (TUNING, "-k", "seconds_per_call"), "time per call, not per batch"),
@@ -118,6 +122,12 @@ FAULTS = [
     Fault("C3", "bnb_mps/ops/candidates.py", "routes = {path: kernel(path) for path in paths[: 1 if op.name not in TUNED else None]}",
           "routes = {path: kernel(path) for path in paths[:1]}", (TUNING, "-k", "fastest_route_serves"),
           "every kernel path is a candidate"),
+    Fault("C4", "bnb_mps/ops/candidates.py", "worth = math.prod(A.shape[:-1]) * N * K > 0",
+          "worth = math.prod(A.shape[:-1]) * N * K >= 0", (TUNING, "-k", "empty_product"),
+          "an empty product has its built-in route alone"),
+    Fault("C5", "bnb_mps/ops/candidates.py", "    skip = op.planned.dynamic_positions if op.planned is not None else 0\n    parts",
+          "    skip = 0\n    parts", (TUNING, "-k", "per_call_hyper"),
+          "the optimizers' per-call values are no part of the shape key"),
     # -- resolve (bnb_mps/ops/resolve.py) ----------------------------------------------------------------------
     Fault("R1", "bnb_mps/ops/resolve.py", "        if choice != routes.default:\n",
           "        if choice == routes.default:\n", (TUNING, "-k", "fastest_route_serves"), "the choice serves"),
@@ -143,6 +153,8 @@ FAULTS = [
     Fault("D3", "bnb_mps/ops/dequantize_linear.py", "self._weight_args = (blocksize, quant_type, list(shapeB), A.dtype)",
           "self._weight_args = (blocksize, quant_type, list(shapeB), torch.float32)",
           (TUNING, "-k", "fastest_route_serves and dequantize"), "the weight dequantized to A's dtype"),
+    Fault("D4", "bnb_mps/ops/dequantize_linear.py", "_NESTED_BLOCKSIZE = 256", "_NESTED_BLOCKSIZE = 128",
+          (TUNING, "-k", "fastest_route_serves and dequantize"), "nested block scales in blocks of 256"),
     # -- validation and NotCovered ------------------------------------------------------------------------------
     Fault("N1", "bnb_mps/ops/int8.py", "    outliers = threshold > 0.0\n    if A.numel() == 0:  # rows",
           "    outliers = threshold != 0.0\n    if A.numel() == 0:  # rows", (NOT_COVERED, "-k", "threshold"),

@@ -688,3 +688,25 @@ def test_timing_reports_seconds_per_call():
     got = timing.seconds(call, False)
     assert 0.9e-4 <= got <= 3e-4, got
     assert len(calls) >= 10  # (batches of several calls were timed)
+
+
+def test_an_empty_product_is_served_by_its_built_in_route_without_measuring():
+    """No rows (or N or K of 0): nothing to time, nothing to choose; the built-in route serves."""
+    args = gemm_args(3)
+    args[0] = args[0][:0]
+    with use_emulated_kernels(), fixed_timings(times_favouring("dequantize+linear")):
+        got = bnb.gemm_4bit.default(*args)
+    assert got.shape == (0, 48) and [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"] == []
+
+
+def test_per_call_hyperparameters_are_no_part_of_the_optimizers_shape_key():
+    """The optimizers' step, learning rate and the other per-call values change every call: one shape
+    key (one measurement) for all of them, else every step would be measured anew."""
+    name = "optimizer_update_32bit"
+    with use_emulated_kernels(), fixed_timings(times_favouring("kernel")):
+        for step, lr in ((1, 1e-3), (2, 5e-4), (3, 1e-4)):
+            args = OTHER_OPS[name]()
+            args[14], args[15] = step, lr
+            ops.op_packet(name)(*args)
+    rows = [r for r in bnb_mps.tuning_table() if r["op"] == name]
+    assert len(rows) == 1 and rows[0]["choice"] == "kernel", rows
