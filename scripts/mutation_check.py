@@ -84,6 +84,8 @@ FAULTS = [
           "if found is not None and found.choice in _offered(c, tier, executor, verified)[0]:",
           "if found is not None:", (TUNING, "-k", "todays_candidates"),
           "a cached choice checked against today's candidates"),
+    Fault("T9b", "bnb_mps/ops/tuning.py", "            if found.choice in offered:\n", "            if True:\n",
+          (TUNING, "-k", "todays_candidates"), "a choice this process made checked against today's candidates"),
     Fault("T10", "bnb_mps/ops/tuning.py", 'if found is not None and (how != "always" or not found.cached):',
           "if found is not None:", (TUNING, "-k", "always_measures"), "BNB_MPS_TUNE=always measures cached keys again"),
     Fault("T11", "bnb_mps/ops/tuning.py", "why = _unverified(route.families, tier, executor)", "why = None",
