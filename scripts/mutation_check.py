@@ -88,6 +88,8 @@ FAULTS = [
           (TUNING, "-k", "todays_candidates"), "a choice this process made checked against today's candidates"),
     Fault("T10", "bnb_mps/ops/tuning.py", 'if found is not None and (how != "always" or not found.cached):',
           "if found is not None:", (TUNING, "-k", "always_measures"), "BNB_MPS_TUNE=always measures cached keys again"),
+    Fault("T10b", "bnb_mps/ops/tuning.py", '        if how == "1" and _fixed is None:\n', '        if _fixed is None:\n',
+          (TUNING, "-k", "always_measures"), "BNB_MPS_TUNE=always ignores the cache"),
     Fault("T11", "bnb_mps/ops/tuning.py", "why = _unverified(route.families, tier, executor)", "why = None",
           (TUNING, "-k", "unverified_family"), "routes of unverified kernel families are no candidates"),
     Fault("T13", "bnb_mps/ops/tuning.py",
@@ -286,6 +288,19 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def baseline_runs(faults: list) -> list[tuple]:
+    """The faults' test selections, one pytest run per test file (its -k expressions or'ed)."""
+    by_file: dict = {}
+    for f in faults:
+        path, rest = f.tests[0], f.tests[1:]
+        if rest[:1] == ("-k",) and len(rest) == 2:
+            if by_file.get(path, []) is not None:
+                by_file.setdefault(path, []).append(f"({rest[1]})")
+        else:
+            by_file[path] = None  # (the whole file, or a selection only pytest can combine: run it whole)
+    return [(path,) if ks is None else (path, "-k", " or ".join(sorted(set(ks)))) for path, ks in sorted(by_file.items())]
+
+
 def plant(copy: Path, fault: Fault) -> str:
     """Plants `fault` in the copy; returns the file's original text."""
     path = copy / fault.file
@@ -316,8 +331,8 @@ def main(argv=None) -> int:
     try:
         copy, env = make_copy(root)
         check_isolation(copy, env, args.python)
-        selections = sorted({f.tests for f in faults})
-        print(f"copy: {copy}; baseline: {len(selections)} test selections, unchanged", flush=True)
+        selections = baseline_runs(faults)
+        print(f"copy: {copy}; baseline: the {len(selections)} test files, unchanged", flush=True)
         for tests in selections:
             code, text, seconds = run_tests(copy, env, args.python, tests)
             if code != 0:
