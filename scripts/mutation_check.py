@@ -112,6 +112,10 @@ FAULTS = [
           (TUNING, "-k", "rounds_rows"), "rows up to 4096 have buckets of their own"),
     Fault("T18", "bnb_mps/ops/tuning.py", "float(seconds), cached=True)", "float(seconds), cached=False)",
           (TUNING, "-k", "read_by_a_new_process"), "the table says which choices came from the cache"),
+    Fault("T19", "bnb_mps/ops/tuning.py", "        if name != c.default:\n", "        if True:\n",
+          (TUNING, "-k", "whatever_the_exclusion"), "the built-in route is never excluded"),
+    Fault("T20", "bnb_mps/ops/tuning.py", 'if how == "0" or len(c.routes) < 2:', 'if how == "0" or len(c.routes) < 1:',
+          (TUNING, "-k", "empty_product"), "an op with one route is not measured"),
     # -- timing (bnb_mps/ops/timing.py) ------------------------------------------------------------------------
     Fault("T12", "bnb_mps/ops/timing.py", "samples.append(batch(call, n) / n)", "samples.append(batch(call, n))",
           (TUNING, "-k", "seconds_per_call"), "time per call, not per batch"),
@@ -132,6 +136,12 @@ FAULTS = [
     Fault("C5", "bnb_mps/ops/candidates.py", "    skip = op.planned.dynamic_positions if op.planned is not None else 0\n    parts",
           "    skip = 0\n    parts", (TUNING, "-k", "per_call_hyper"),
           "the optimizers' per-call values are no part of the shape key"),
+    Fault("C6", "bnb_mps/ops/candidates.py", 'families = ("nf4_fp4", "blockwise_8bit") if args[7] is not None else ("nf4_fp4",)',
+          'families = ("nf4_fp4",)', (TUNING, "-k", "8bit_family"),
+          "dequantize+linear of nested scales needs the 8-bit family verified"),
+    Fault("C7", "bnb_mps/ops/candidates.py", 'if name in ("gemv_4bit", "gemv_4bit.out", "dequantize_4bit", "dequantize_4bit.out"):',
+          'if name in ("dequantize_4bit", "dequantize_4bit.out"):', (TUNING, "-k", "instruction_set"),
+          "bitsandbytes' CPU gemv_4bit is no route"),
     # -- resolve (bnb_mps/ops/resolve.py) ----------------------------------------------------------------------
     Fault("R1", "bnb_mps/ops/resolve.py", "        if choice != routes.default:\n",
           "        if choice == routes.default:\n", (TUNING, "-k", "fastest_route_serves"), "the choice serves"),
@@ -227,6 +237,14 @@ FAULTS = [
           "a gap within twice the allowed difference can swap the top two"),
     Fault("DC6", "bnb_mps/demo/check.py", "return diff_abs <= allowed_abs and diff_rel <= allowed_rel",
           "return diff_abs <= allowed_abs", (DEMO_CHECK,), "both differences within"),
+    Fault("DC7", "bnb_mps/demo/check.py", "return min(int(differ[0]) + 1, n) if len(differ) else n",
+          "return min(int(differ[0]), n) if len(differ) else n", (DEMO_CHECK,),
+          "the first differing token's logits are compared"),
+    Fault("DC8", "bnb_mps/demo/check.py", "top2 = _masked(logits, suppress).topk(2, dim=-1).values",
+          "top2 = logits.topk(2, dim=-1).values", (DEMO_CHECK,), "suppressed tokens are never chosen"),
+    Fault("DC9", "bnb_mps/demo/check.py", "rel = d.amax(dim=-1) / want.double().abs().amax(dim=-1).clamp_min(1e-30)",
+          "rel = d.amax(dim=-1) / want.double().abs().amax().clamp_min(1e-30)", (DEMO_CHECK,),
+          "the relative difference is per position"),
 ]
 
 

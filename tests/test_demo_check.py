@@ -88,3 +88,23 @@ def test_the_perturbation_moves_each_product_by_its_allowed_error_with_random_si
     assert np.all(np.abs(np.abs(delta) - allowed) <= rounding), np.abs(np.abs(delta) - allowed).max()
     up = float((delta > 0).mean())
     assert 0.35 < up < 0.65, up
+
+
+def test_logit_differences_are_the_largest_and_the_largest_relative_to_each_position():
+    got = logits([1.0, 2.0, -4.0], [10.0, 0.0, 1.0])
+    want = logits([1.5, 2.0, -4.0], [10.0, 0.0, 0.0])
+    assert check.logit_diff(got, want) == (1.0, 0.125)  # (0.5 at a position whose largest is 4; 1 of 10)
+    assert check.logit_diff(logits(), logits()) == (0.0, 0.0)
+
+
+def test_the_greedy_margin_is_the_gap_between_the_top_two_tokens_that_may_be_chosen():
+    steps = logits([3.0, 9.0, 2.5, 1.0], [0.0, 9.0, -1.0, 0.5])
+    assert check.margins(steps, suppress=[1]).tolist() == [0.5, 0.5]
+    assert check.margins(steps, suppress=[]).tolist() == [6.0, 8.5]
+
+
+@pytest.mark.parametrize("got,want,n", [([1, 2, 3, 4], [1, 2, 3, 4], 4), ([1, 2, 9, 4], [1, 2, 3, 4], 3),
+                                        ([7, 2, 3], [1, 2, 3, 4], 1), ([1, 2], [1, 2, 3], 2)])  # fmt: skip
+def test_compared_steps_end_at_the_first_different_token_which_counts(got, want, n):
+    """The logits of the first differing token still came from the same prefix; those after did not."""
+    assert check.compared_steps(torch.tensor(got), torch.tensor(want)) == n

@@ -723,3 +723,51 @@ def test_per_call_hyperparameters_are_no_part_of_the_optimizers_shape_key():
     stored = [k for entries in json.loads(tuning.cache_path().read_text()).values() for k in entries
               if k.startswith(name)]  # fmt: skip
     assert len(stored) == 1, stored
+
+
+def test_the_built_in_route_is_a_candidate_whatever_the_exclusion_says(monkeypatch):
+    """BNB_MPS_TUNE_EXCLUDE takes routes out of the candidates, never the built-in one (something must serve)."""
+    monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "mma,bitsandbytes")
+    args = gemm_args(40)
+    with use_emulated_kernels(), fixed_timings(times_favouring("mma")):
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    row = row_of("gemm_4bit")
+    assert row["choice"] == "mma" and set(row["times"]) == {"mma", "dequantize+linear"}, row
+    assert row["left_out"] == {"bitsandbytes": "excluded by BNB_MPS_TUNE_EXCLUDE"}, row
+    assert same_bits(got, gemm_by_hand("mma", args))
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
+def test_dequantize_linear_of_nested_scales_needs_the_8bit_family_verified(monkeypatch, nested):
+    """dequantize+linear runs the 8-bit dequantize kernel on nested block scales: where that family
+    (blockwise_8bit) did not pass verification, it is no candidate of a nested call; a plain call does
+    not run it and keeps the route."""
+    from bnb_mps.ops.verify.verdicts import Verdict
+
+    monkeypatch.setenv(verify.ENV_VAR, "1")
+    monkeypatch.setattr(verify, "verdict", lambda family, tier, executor, **k: Verdict(
+        family, family != "blockwise_8bit", 0.0, *(("case", "wrong") if family == "blockwise_8bit" else ())))
+    args = gemm_args(40, nested=nested)
+    executor = executors.load_tier("emulated")
+    c = candidates.of(ops.OPS["gemm_4bit"], args, executor, "emulated", None)
+    with fixed_timings(times_favouring("dequantize+linear")):
+        choice = tuning.choose(c, "emulated", executor, verified=True)
+    assert choice == ("mma" if nested else "dequantize+linear")
+
+
+@pytest.mark.parametrize("name", ["gemv_4bit", "dequantize_4bit"])
+def test_bitsandbytes_cpu_code_that_depends_on_the_instruction_set_is_no_route(name):
+    """On CPU tensors, bitsandbytes' gemv_4bit and dequantize_4bit read or write another layout on some
+    CPUs (bnb_mps.ops.candidates): however fast, they are no candidate there."""
+    W = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
+    packed, absmax = bnb.quantize_4bit.default(W, 64, "nf4", torch.uint8)
+    if name == "gemv_4bit":
+        args = [torch.randn(1, 64), packed, [24, 64], absmax, F.get_4bit_type("nf4", device="cpu"), 64]
+    else:
+        args = [packed, absmax, 64, "nf4", [24, 64], torch.float32]
+    ops.reset_call_counts()
+    with use_emulated_kernels(), fixed_timings(times_favouring("bitsandbytes")):
+        ops.op_packet(name)(*args)
+    assert ops.call_counts()[name] == {"emulated": 1}
+    rows = [r for r in bnb_mps.tuning_table() if r["op"] == name]  # (none where the kernel is the only route)
+    assert all("bitsandbytes" not in r["times"] for r in rows), rows
