@@ -96,7 +96,7 @@ def tuning_lines(rows: list[dict], limit: int = 40) -> list[str]:
     """What tuning chose on this machine (this process's choices and the cached ones), a line each."""
     from bnb_mps.ops import tuning
 
-    head = f"Tuning (BNB_MPS_TUNE={tuning.mode('native', 'mps')} on the GPU tiers; cache: {tuning.cache_path()}):"
+    head = f"Tuning (BNB_MPS_TUNE={tuning.mode('native', True)} on the GPU tiers; cache: {tuning.cache_path()}):"
     if not rows:
         return [head, "  no route measured yet on this machine for this bnb-mps (`python -m bnb_mps tune` measures "
                       "4-bit linear layers now)"]  # fmt: skip

@@ -13,6 +13,7 @@ implementation: both are found on the op's first call and handed back then
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -74,8 +75,8 @@ def _make_kernel(name: str, dispatch_key: str, executor):
         if call is None:
             from .ops import dispatcher_entry  # the op layer, imported on first use
 
-            call = dispatcher_entry(name, executor, None if executor is not None else leave_to_bitsandbytes,
-                                    stock_kernel(dispatch_key, name))  # fmt: skip
+            hand_back = None if executor is not None else functools.partial(leave_to_bitsandbytes, dispatch_key=dispatch_key)
+            call = dispatcher_entry(name, executor, hand_back, stock_kernel(dispatch_key, name))
         return call(args, kwargs)
 
     kernel.__name__ = kernel.__qualname__ = "bnb_mps_" + name.replace(".", "_")
@@ -161,9 +162,9 @@ def schema_mismatch(name: str):
     return None
 
 
-def leave_to_bitsandbytes(name: str, reason: str):
+def leave_to_bitsandbytes(name: str, reason: str, dispatch_key: str = "MPS"):
     """Withdraw bnb_mps' kernels for one schema (every key), so that bitsandbytes' own serve it;
-    returns a function that runs a call on the MPS key as the dispatcher now resolves it."""
+    returns a function that runs a call on `dispatch_key` as the dispatcher now resolves it."""
     with _lock:
         _skipped[name] = reason
         for key in [k for k, names in _names.items() if name in names]:
@@ -172,7 +173,7 @@ def leave_to_bitsandbytes(name: str, reason: str):
     from .ops.registry import op_packet
 
     packet = op_packet(name)
-    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.MPS)
+    keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, dispatch_key))
     return lambda *args, **kwargs: packet.redispatch(keyset, *args, **kwargs)
 
 

@@ -19,6 +19,7 @@ from typing import Union
 
 from .executors.base import Dim3, Executor, KernelArg
 from .kernel_args import Scalar
+from .modelled_mps import ModelledDeadlock, ModelledMPS, use_modelled_mps  # noqa: F401  (public here)
 
 
 @dataclass(frozen=True)

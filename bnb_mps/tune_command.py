@@ -105,10 +105,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"tune: {e}", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
-    device = torch.device("mps" if gpu_tier else "cpu")
-    executor = executors.executor_for(device.type)
-    gpu = timing.gpu_clock_available(device.type, tier)
-    stock = registration.stock_kernel("MPS", "gemm_4bit")
+    executor = executors.executor_for("mps" if gpu_tier else "cpu")
+    device = torch.device(getattr(executor, "device_type", "cpu"))
+    try:
+        clock = tuning.clock_for(tier, executor, device)
+    except tuning.ClockUnavailable as e:
+        print(f"cannot measure the {tier} tier now: {e}")
+        return 1
+    gpu = clock.name == "gpu"
+    # bitsandbytes' own implementation: for the CPU key where bnb-mps serves it (the model of torch's MPS
+    # runtime), else the one the MPS registration captured
+    stock = registration.stock_kernel("CPU", "gemm_4bit") or registration.stock_kernel("MPS", "gemm_4bit")
     chip = chips.detect()
     machine = verify.machine()
     print(f"Tuning gemm_4bit (NF4, blocksize {BLOCKSIZE}, nested block scales, {args.dtype} activations) on the "
@@ -134,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"    {N}x{K} M={M}: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
             row = _row(name, N, K, M, dtype, d, chip, gpu)
-            row["dense_fp16_linear"] = _dense(M, N, K, device, gpu)
+            row["dense_fp16_linear"] = _dense(M, N, K, device, clock)
             row["mlx_quantized_matmul"] = _mlx_time(mlx, M, N, K) if mlx is not None and gpu_tier else None
             results.append(row)
     seconds = time.perf_counter() - start
@@ -189,7 +196,7 @@ def _row(name: str, N: int, K: int, M: int, dtype, d, chip, gpu: bool) -> dict:
     return row
 
 
-def _dense(M: int, N: int, K: int, device, gpu: bool) -> Optional[float]:
+def _dense(M: int, N: int, K: int, device, clock) -> Optional[float]:
     """Dense float16 linear on the same shape: the reference row."""
     import torch
 
@@ -198,7 +205,7 @@ def _dense(M: int, N: int, K: int, device, gpu: bool) -> Optional[float]:
     try:
         A = torch.randn(M, K, device=device).half()
         W = torch.randn(N, K, device=device).half()
-        return timing.seconds(lambda: torch.nn.functional.linear(A, W), gpu)
+        return timing.seconds(lambda: torch.nn.functional.linear(A, W), clock)
     except Exception:  # noqa: BLE001  (e.g. no float16 matmul on this CPU build)
         return None
 

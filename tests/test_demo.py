@@ -429,6 +429,34 @@ def perturbed_logits(model, ids, threads: int) -> torch.Tensor:
             h.remove()
 
 
+def test_kernel_check_on_the_shader_tier_through_the_model_of_torchs_mps_runtime(cpu_run, check_inputs, monkeypatch):
+    """The demo's kernel check on the shader tier as a Mac runs it (bnb_mps.testing.use_modelled_mps:
+    first-use verification, launch plans, torch.mps.compile_shader's kernels under the emulator):
+    with tuning off, the same kernels as the emulated run's, so the same losses, logits and tokens,
+    bit for bit (the emulated check of the cpu run is the reference)."""
+    from bnb_mps.ops import tuning
+
+    summary = cpu_run[0]
+    if "skipped" in summary["kernel_check"]:
+        pytest.skip(f"the kernel check did not run: {summary['kernel_check']['skipped']}")
+    monkeypatch.setenv(tuning.ENV_VAR, "0")
+    c = check_inputs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(summary["cpu_threads"])
+    try:
+        got, lines = check.emulated_check(c["model"], c["eval_ids"], c["prompt"], c["stock_sample"], c["suppress"],
+                                          c["pad_token_id"], quiet=True, say=lambda *a: None, tier="shader")  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    want = summary["kernel_check"]
+    assert "skipped" not in got, got
+    assert got["tier"] == "shader" and want["tier"] == "emulated"
+    assert got["kernels"] == want["kernels"] and got["ops"] == want["ops"]
+    for key in ("loss_kernels", "max_abs_logit_diff", "max_rel_logit_diff", "same_tokens"):
+        assert got[key] == want[key], key
+    assert got["bound"]["max_product_ulps"] == want["bound"]["max_product_ulps"]
+
+
 def test_no_kernel_check_leaves_none(emulated_run):
     summary, _, _, stdout = emulated_run
     assert "kernel_check" not in summary and "kernel check" not in stdout

@@ -21,37 +21,22 @@ import torch
 from bnb_mps.msl import source as kernel_source
 from bnb_mps.executors import shader
 from bnb_mps.executors.base import CompileUnits, ExecutorUnavailable, KernelUnavailable, PipelineLimitError
+from bnb_mps.modelled_mps.library import bind
 from bnb_mps.kernel_args import Scalar, bool_, float16, float32, int32, int64, uint32, uint64
 from geometry_kernel import GEOMETRY_KERNEL, GEOMETRY_SCALARS, expected_geometry_output
 
 requires_mps = pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an mps device")
 
-# torch's casts: the C++ type a Python value is static_cast to before setBytes.
-_INT_CAST_WIDTH = {None: 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1}
-_FLOAT_CAST_FORMAT = {None: "<f", "fp16": "<e"}
-
-
 class FakeKernel:
-    """One kernel of the stand-in library: records each call as the bytes Metal would receive."""
+    """One kernel of the stand-in library: records each call as the bytes Metal would receive (bound by
+    torch's rules, as the model of compile_shader binds them: bnb_mps.modelled_mps.library.bind)."""
 
     def __init__(self, name: str, calls: list) -> None:
         self.name = name
         self.calls = calls
 
     def __call__(self, *args, threads=None, group_size=None, arg_casts=None):
-        casts = arg_casts or {}
-        bound = []
-        for i, arg in enumerate(args):
-            cast = casts.get(i)
-            if isinstance(arg, torch.Tensor):
-                bound.append(arg)
-            elif isinstance(arg, float):
-                bound.append(struct.pack(_FLOAT_CAST_FORMAT[cast], arg))
-            elif isinstance(arg, int):  # bool included, as pybind11's int_ check does
-                # static_cast<intN_t>(int64_t): keeps the low N bytes (two's complement)
-                bound.append(int(arg).to_bytes(8, "little", signed=True)[: _INT_CAST_WIDTH[cast]])
-            else:
-                raise RuntimeError("Unsupported argument type")
+        bound = bind(args, arg_casts)
         self.calls.append(
             {"kernel": self.name, "bound": bound, "threads": threads, "group_size": group_size, "arg_casts": arg_casts}
         )
@@ -446,6 +431,18 @@ COMPILE_SHADER_MSL = {
 @pytest.mark.parametrize(("torch_ver", "macos"), sorted(COMPILE_SHADER_MSL))
 def test_math_mode_is_pinned_where_compile_shader_uses_metal_3_2(torch_ver, macos):
     assert shader.math_mode_pinned(macos, torch_ver) == (COMPILE_SHADER_MSL[torch_ver, macos] >= (3, 2))
+
+
+@pytest.mark.parametrize(("torch_ver", "macos", "value", "pinned"), [
+    ((2, 15), (15, 0), "3.1", False),  # torch 2.15 reads PYTORCH_MPS_METAL_VERSION: 3.1 drops the pins
+    ((2, 15), (14, 6), "3.2", True),
+    ((2, 15), (26, 0), "4.0", True),
+    ((2, 15), (15, 0), "not-a-version", True),  # (ignored: its default, 3.2)
+    ((2, 13), (15, 0), "3.1", True),  # torch 2.13 does not read it
+])  # fmt: skip
+def test_metal_version_override_of_torch_2_15_decides_the_math_mode(torch_ver, macos, value, pinned):
+    environ = {shader.METAL_VERSION_ENV: value, shader.FAST_MATH_ENV: "1"}
+    assert shader.math_mode_pinned(macos, torch_ver, environ) is pinned
 
 
 def test_math_mode_is_not_pinned_off_macos():

@@ -243,12 +243,12 @@ def test_switch_0_keeps_the_built_in_order_and_excluded_routes_are_no_candidates
 
 
 def test_tuning_is_off_on_the_emulated_tier_unless_asked_for(monkeypatch):
-    assert tuning.mode("emulated", "cpu") == "0" and tuning.mode("shader", "cpu") == "0"
-    assert tuning.mode("native", "mps") == "1" and tuning.mode("shader", "mps") == "1"
+    assert tuning.mode("emulated", False) == "0" and tuning.mode("shader", False) == "0"
+    assert tuning.mode("native", True) == "1" and tuning.mode("shader", True) == "1"
     monkeypatch.setenv(tuning.ENV_VAR, "always")
-    assert tuning.mode("emulated", "cpu") == "always"
+    assert tuning.mode("emulated", False) == "always"
     monkeypatch.setenv(tuning.ENV_VAR, "sometimes")
-    assert tuning.mode("emulated", "cpu") == "0" and tuning.mode("native", "mps") == "1"
+    assert tuning.mode("emulated", False) == "0" and tuning.mode("native", True) == "1"
     monkeypatch.delenv(tuning.ENV_VAR)
     args = gemm_args(40)
     with use_emulated_kernels() as kernels:

@@ -254,15 +254,20 @@ def _first_line(e) -> str:
 
 
 def emulated_check(model, eval_ids: torch.Tensor, prompt: dict, stock_sample: Greedy, suppress: list[int],
-                   pad_token_id: int, *, quiet: bool = False,
-                   say: Callable[..., None] = print) -> tuple[dict, list[str]]:  # fmt: skip
+                   pad_token_id: int, *, quiet: bool = False, say: Callable[..., None] = print,
+                   tier: str = "emulated") -> tuple[dict, list[str]]:  # fmt: skip
     """Runs the check on the CPU model `model`: the summary's `kernel_check` and its lines for the
     printed summary. `stock_sample` is the greedy sample of bitsandbytes' own code from `prompt`.
+    `tier`: "emulated" (bnb-mps' emulated executor), or "shader": the shader tier as a Mac runs it
+    (first-use verification, tuning, launch plans, torch.mps.compile_shader) over the model of torch's
+    MPS runtime (bnb_mps.modelled_mps), its kernels under the emulator too.
     Never raises: a check that cannot run says why in one line and returns {"skipped": why}."""
+    if tier not in ("emulated", "shader"):
+        raise ValueError(f"tier must be 'emulated' or 'shader', got {tier!r}")
     say("", "kernel check: the trained model again, its 4-bit products on bnb-mps' Metal kernels under the "
         "emulator (--no-kernel-check skips this)")  # fmt: skip
     try:
-        return _emulated_check(model, eval_ids, prompt, stock_sample, suppress, pad_token_id, quiet)
+        return _emulated_check(model, eval_ids, prompt, stock_sample, suppress, pad_token_id, quiet, tier)
     except Skip as skip:
         why = str(skip)
     except Exception as e:  # the demo must not fail on its check
@@ -271,7 +276,8 @@ def emulated_check(model, eval_ids: torch.Tensor, prompt: dict, stock_sample: Gr
     return {"skipped": why}, [f"  kernel check       skipped: {why}"]
 
 
-def _emulated_check(model, eval_ids, prompt, stock_sample, suppress, pad_token_id, quiet) -> tuple[dict, list[str]]:
+def _emulated_check(model, eval_ids, prompt, stock_sample, suppress, pad_token_id, quiet,
+                    tier: str = "emulated") -> tuple[dict, list[str]]:  # fmt: skip
     from tqdm.auto import tqdm
 
     from .. import ops
@@ -309,9 +315,13 @@ def _emulated_check(model, eval_ids, prompt, stock_sample, suppress, pad_token_i
     bar = tqdm(total=len(products.layers) * (1 + new_tokens), desc="kernel check", unit="product",
                disable=quiet, dynamic_ncols=True, leave=False)  # fmt: skip
     ops.reset_call_counts()
-    with bar, use_emulated_kernels() as kernels, products.measure(bar.update):
+    with bar, (use_emulated_kernels() if tier == "emulated" else _modelled_mps()) as kernels, \
+            products.measure(bar.update):
+        before = len(kernels.launched)  # (the shader tier verified its families first: not the model's kernels)
+        ops.reset_call_counts()
         loss_kernels, logits_kernels = evaluate(model, eval_ids)
         sample = greedy(model, prompt, new_tokens, suppress, pad_token_id)
+        launched = set(kernels.launched[before:])
     counts = {name: sum(tiers.values()) for name, tiers in sorted(ops.call_counts().items())}
     ops.reset_call_counts()
 
@@ -344,9 +354,9 @@ def _emulated_check(model, eval_ids, prompt, stock_sample, suppress, pad_token_i
         "logits_within": logits_within(diff_abs, diff_rel, allowed_abs, allowed_rel),
     }  # fmt: skip
     result = {
-        "tier": "emulated",
+        "tier": tier,
         "ops": counts,
-        "kernels": sorted(set(kernels.launched)),
+        "kernels": sorted(launched),
         "max_abs_logit_diff": diff_abs,
         "max_rel_logit_diff": diff_rel,
         "loss_stock": loss_stock,
@@ -356,6 +366,28 @@ def _emulated_check(model, eval_ids, prompt, stock_sample, suppress, pad_token_i
         "bound": bound,
     }
     return result, report_lines(result, tuple(eval_ids.shape), new_tokens, n, load_seconds)
+
+
+@contextlib.contextmanager
+def _modelled_mps() -> Iterator:
+    """The shader tier over the model of torch's MPS runtime, its kernel families verified (their first
+    use), tuning off: the built-in routes, so that the kernels are those a Mac runs before measuring."""
+    import os
+
+    from ..ops import routing, tuning
+    from ..testing import use_modelled_mps
+
+    saved = os.environ.get(tuning.ENV_VAR)
+    os.environ[tuning.ENV_VAR] = "0"
+    try:
+        with use_modelled_mps() as mps:
+            routing.route("gemm_4bit")
+            yield mps
+    finally:
+        if saved is None:
+            os.environ.pop(tuning.ENV_VAR, None)
+        else:
+            os.environ[tuning.ENV_VAR] = saved
 
 
 def report_lines(check: dict, eval_shape: tuple, new_tokens: int, compared: int, load_seconds: float) -> list[str]:

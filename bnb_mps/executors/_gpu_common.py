@@ -15,6 +15,16 @@ MAX_THREADS_PER_THREADGROUP = 1024
 # width of every Apple GPU so far. A GPU reporting another width must not run them.
 SIMD_WIDTH = 32
 
+# The device type of the tensors the GPU tiers bind: "mps". The test-side model of torch's MPS
+# runtime (bnb_mps.modelled_mps) sets "cpu" while it is active, where CPU tensors stand in for mps
+# ones; executors read it when they are made.
+_tensor_device = "mps"
+
+
+def tensor_device() -> str:
+    """The device type of the tensors a GPU tier made now binds ("mps"; "cpu" under the model)."""
+    return _tensor_device
+
 
 def check_simd_width(width, kernel: str) -> None:
     """Raise ExecutorUnavailable unless a pipeline's thread execution width is SIMD_WIDTH."""

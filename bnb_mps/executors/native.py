@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from ..msl import source as kernel_source
+from . import clocks
 from ._gpu_common import check_geometry, check_simd_width, mps_unavailable_reason
 from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, first_lines
 
@@ -118,6 +119,18 @@ class NativeExecutor:
         launch = self._launchers.get(kernel, self._other)
         grid, threadgroup = tuple(grid), tuple(threadgroup)
         return lambda args: launch(kernel, grid, threadgroup, args)
+
+    def synchronize(self) -> None:
+        """Waits until the GPU ran everything encoded so far (torch.mps.synchronize)."""
+        torch.mps.synchronize()
+
+    def gpu_clock(self):
+        """The clock that times a batch of this tier's calls on the GPU (bnb_mps.executors.clocks):
+        the watched command buffers' GPU start and end times where the module reads them, else torch's
+        timing events."""
+        if self._watch is not None and hasattr(self._watch, "gpu_times"):
+            return clocks.CommandBufferClock(self._watch)
+        return clocks.EventClock()
 
     def watch_command_buffers(self):
         """A new `_native.CommandBufferWatch` (csrc/mps_ops.h): `track()` after a launch watches the

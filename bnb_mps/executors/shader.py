@@ -63,6 +63,7 @@ import torch
 from ..device import _macos_version
 from ..msl import source as kernel_source
 from ..kernel_args import Scalar
+from . import _gpu_common, clocks
 from ._gpu_common import MAX_THREADS_PER_THREADGROUP, check_geometry, check_simd_width, mps_unavailable_reason
 from .base import CompileUnits, Dim3, ExecutorUnavailable, KernelArg, PipelineLimitError, first_lines
 
@@ -84,9 +85,29 @@ class FastMathWarning(UserWarning):
     """PYTORCH_MPS_FAST_MATH makes torch compile the shader tier's kernels with fast math."""
 
 
-def language_version(macos: Optional[tuple], torch_ver: tuple) -> tuple[int, int]:
+#: torch >= 2.15: this variable overrides the language version compile_shader asks for ("3.1", "3.2", ...)
+METAL_VERSION_ENV = "PYTORCH_MPS_METAL_VERSION"
+METAL_VERSION_TORCH = (2, 15)
+
+
+def metal_version_override(torch_ver: tuple, environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[int, int]]:
+    """The language version PYTORCH_MPS_METAL_VERSION asks torch >= 2.15 for, (major, minor), or None
+    (not set, not of the form MAJOR.MINOR, or a torch that does not read it)."""
+    value = (os.environ if environ is None else environ).get(METAL_VERSION_ENV, "").strip()
+    m = re.fullmatch(r"(\d+)\.(\d+)", value)
+    if tuple(torch_ver) < METAL_VERSION_TORCH or m is None:
+        return None
+    return (int(m.group(1)), int(m.group(2)))
+
+
+def language_version(macos: Optional[tuple], torch_ver: tuple,
+                     environ: Optional[Mapping[str, str]] = None) -> tuple[int, int]:  # fmt: skip
     """The Metal language version torch's compile_shader asks for on this macOS ((major, minor)) with
-    this torch: from torch 2.11, 4.0 on macOS >= 26, 3.2 on macOS 15, 3.1 before; 3.1 at most before."""
+    this torch: PYTORCH_MPS_METAL_VERSION's where torch >= 2.15 reads it; else from torch 2.11, 4.0 on
+    macOS >= 26, 3.2 on macOS 15, 3.1 before; 3.1 at most before."""
+    override = metal_version_override(torch_ver, environ)
+    if override is not None and macos is not None:
+        return override
     if tuple(torch_ver) >= PINNED_MATH_TORCH and macos is not None:
         if tuple(macos) >= (26, 0):
             return (4, 0)
@@ -95,11 +116,11 @@ def language_version(macos: Optional[tuple], torch_ver: tuple) -> tuple[int, int
     return (3, 1)
 
 
-def math_mode_pinned(macos: Optional[tuple], torch_ver: tuple) -> bool:
+def math_mode_pinned(macos: Optional[tuple], torch_ver: tuple, environ: Optional[Mapping[str, str]] = None) -> bool:
     """True when compile_shader compiles with Metal >= 3.2 on this macOS ((major, minor), None off
     macOS) with this torch ((major, minor)), so that the kernel source's pinned safe math and
-    no-contraction hold whatever PYTORCH_MPS_FAST_MATH says."""
-    return macos is not None and tuple(macos) >= PINNED_MATH_MACOS and tuple(torch_ver) >= PINNED_MATH_TORCH
+    no-contraction hold whatever PYTORCH_MPS_FAST_MATH says (PYTORCH_MPS_METAL_VERSION included)."""
+    return macos is not None and language_version(macos, torch_ver, environ) >= (3, 2)
 
 
 _process_fast_math: Optional[bool] = None  # the process's reading, made once (as torch makes its own)
@@ -125,7 +146,7 @@ _fast_math_warned = False
 def warn_if_fast_math(macos: Optional[tuple], torch_ver: tuple, environ: Optional[Mapping[str, str]] = None) -> None:
     """Once per process: warn when PYTORCH_MPS_FAST_MATH compiles the kernels with fast math here."""
     global _fast_math_warned
-    if _fast_math_warned or not fast_math_requested(environ) or math_mode_pinned(macos, torch_ver):
+    if _fast_math_warned or not fast_math_requested(environ) or math_mode_pinned(macos, torch_ver, environ):
         return
     _fast_math_warned = True
     where = f"macOS {'.'.join(map(str, macos))}" if macos is not None else "this system"
@@ -168,6 +189,9 @@ class ShaderExecutor:
     def __init__(self, library) -> None:
         """`library`: the compiled units (CompileUnits of compile_shader libraries, what load()
         makes), or one compile_shader library that holds every kernel."""
+        if _gpu_common.tensor_device() != "mps":  # (the model of torch's MPS runtime: CPU tensors stand in)
+            self.device_type = _gpu_common.tensor_device()
+            self._on_device = operator.attrgetter(f"is_{self.device_type}")
         if not isinstance(library, CompileUnits):
             library = CompileUnits({"": library}, dict.fromkeys(dir(library), ""), {})
         self._units = library
@@ -198,6 +222,14 @@ class ShaderExecutor:
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
         self.prepare(kernel, grid, threadgroup)(args)
+
+    def synchronize(self) -> None:
+        """Waits until the GPU ran everything encoded so far (torch.mps.synchronize)."""
+        torch.mps.synchronize()
+
+    def gpu_clock(self) -> clocks.EventClock:
+        """The clock that times a batch of this tier's calls on the GPU (bnb_mps.executors.clocks)."""
+        return clocks.EventClock()
 
     def prepare(self, kernel: str, grid: Dim3, threadgroup: Dim3) -> Callable[[Sequence[KernelArg]], None]:
         """The launch of `kernel` with this geometry as a function of its arguments: the geometry,

@@ -6,6 +6,8 @@ Route names (what `bnb_mps.tuning_table()` and the `tune` command show):
     <path>/<variant>      a kernel variant of a path: gemv/tglut, the gemv kernel with its 16-entry
                           table in threadgroup memory instead of constant memory
     kernel                bnb-mps' kernel of an op that has one path
+    torch._int_mm         int8_linear_matmul as torch._int_mm, where torch runs it on the device (mps:
+                          torch >= 2.15)
     dequantize+linear     gemm_4bit as bnb-mps' dequantize kernels into a temporary weight, then
                           torch's linear (bnb_mps.ops.dequantize_linear)
     bitsandbytes          bitsandbytes' own implementation of the op for this dispatch key, called
@@ -13,7 +15,8 @@ Route names (what `bnb_mps.tuning_table()` and the `tune` command show):
 
 Tuned ops: gemm_4bit, gemv_4bit and gemv_4bit.out (their paths, variants, dequantize+linear for
 gemm_4bit, bitsandbytes); the 4-bit and 8-bit blockwise quantize and dequantize ops and the 32-bit
-optimizer (kernel, bitsandbytes). Every other op has its kernel alone. A route other than the
+optimizer (kernel, bitsandbytes); int8_linear_matmul (kernel, torch._int_mm). Every other op has its
+kernel alone. A route other than the
 built-in one is a candidate only where the kernel families it runs passed first-use verification
 (`Candidate.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify).
 
@@ -28,16 +31,18 @@ metadata: nothing here reads tensor data. A route is measured on fresh inputs of
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from ..executors import GPU_TIERS
 from .dequantize_linear import DequantizeLinear
 from .plan import BoundPlan
 from .registry import OpDef, argument_spec
-from .served import Stock
+from .served import IntMM, Stock, Unplanned
 
 #: ops with more than one route; every other op has its kernel alone
 TUNED = ("gemm_4bit", "gemv_4bit", "gemv_4bit.out", "quantize_4bit", "dequantize_4bit", "dequantize_4bit.out",
@@ -89,13 +94,15 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
     """The routes for a call of planned op `op` (arguments in schema order, checked) on `tier`,
     whose kernels run on `executor`; `stock` is bitsandbytes' own implementation, or None."""
     planned = op.planned
-    paths = planned.paths(*args) if planned.paths is not None else ("kernel",)
+    paths = planned.paths(*args) if planned is not None and planned.paths is not None else ("kernel",)
     counted = (op.name, tier)
 
     def kernel(path: str) -> Candidate:
         route = None if path == paths[0] else path  # (the planner plans the built-in path without one)
 
-        def build(a: Sequence) -> BoundPlan:
+        def build(a: Sequence):
+            if planned is None:  # (an op without a planner: its kernel function)
+                return Unplanned(op.name, op.kernel, executor, tier)
             return BoundPlan(planned.plan(a, route), executor, counted, planned.dynamic)
 
         return Candidate(path, PATH_FAMILIES.get(path, ()), build)
@@ -115,7 +122,29 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
         worth = op.name in TUNED and _size(args) > 0
     if worth and stock is not None and _stock_computes_the_spec(op.name, args, device):
         routes["bitsandbytes"] = Candidate("bitsandbytes", (), lambda a: Stock(op.name, stock))
+    if op.name == "int8_linear_matmul" and _size(args) > 0 and int_mm_runs(tier):
+        routes["torch._int_mm"] = Candidate("torch._int_mm", (), lambda a: IntMM(op.name, tier))
     return Candidates(op.name, key, paths[0], routes, device, fresh)
+
+
+def has_other_routes(op: OpDef, tier: str) -> bool:
+    """Whether an op without a planner has routes besides its kernel on `tier` (torch._int_mm)."""
+    return op.name == "int8_linear_matmul" and int_mm_runs(tier)
+
+
+#: the first torch whose torch._int_mm runs on mps (read in its release's binaries)
+INT_MM_ON_MPS = (2, 15)
+
+
+def int_mm_runs(tier: str) -> bool:
+    """Whether torch._int_mm (int8 x int8 -> int32, exact) runs where `tier`'s tensors live: on mps from
+    torch 2.15; on the CPU (the emulated tier) wherever torch has it."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    if tier not in GPU_TIERS:
+        return True
+    m = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= INT_MM_ON_MPS
 
 
 def _stock_computes_the_spec(name: str, args: Sequence, device: torch.device) -> bool:

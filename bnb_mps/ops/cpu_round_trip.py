@@ -61,7 +61,12 @@ def cpu_call(name: str, args: list):
         out.copy_(cpu_call(base, inputs))
         return None
     if _has_cpu_kernel(name):
-        return op_packet(name)(*args)
+        from ..registration import stock_kernel
+
+        # bitsandbytes' own CPU kernel, also where bnb_mps is registered for the CPU key (its emulated
+        # tier in tests, bnb_mps.modelled_mps): never bnb_mps' kernels, which this must check
+        stock = stock_kernel("CPU", name)
+        return stock(*args) if stock is not None else op_packet(name)(*args)
     raise NotImplementedError(f"bitsandbytes has no CPU implementation of {name} and bnb_mps no composition")
 
 

@@ -81,7 +81,7 @@ def _resolve(op: OpDef, args: list, where: Where) -> tuple[Any, bool]:
         return elsewhere(op, uncovered, where, tier), holds_for_signature(op)
     if tier == "cpu":
         return RoundTrip(op.name), True
-    if op.planned is None:
+    if op.planned is None and not candidates.has_other_routes(op, tier):
         return Unplanned(op.name, op.kernel, executor, tier), True
     routes = candidates.of(op, args, executor, tier, where.stock)
     try:

@@ -7,7 +7,8 @@ positional arguments, `served(args)`, with `counted`, the op layer's call-count 
 - `Unplanned`: the kernel function of an op that has no planner, on one executor;
 - `Stock`: bitsandbytes' own implementation for the dispatch key, for this signature only;
 - `RoundTrip`: the CPU round trip (bnb_mps.ops.cpu_round_trip);
-- `HandedBack`: bitsandbytes' own implementation after the whole op was handed back to it.
+- `HandedBack`: bitsandbytes' own implementation after the whole op was handed back to it;
+- `IntMM`: int8_linear_matmul as torch._int_mm, where torch runs it on the device.
 
 A dispatcher entry calls them with the arguments as the dispatcher gave them, which may leave out
 trailing arguments that equal their defaults: those that need every argument fill the defaults in.
@@ -86,3 +87,20 @@ class HandedBack:
 
     def __call__(self, args: tuple):
         return self.fn(*args)
+
+
+class IntMM:
+    """int8_linear_matmul(A, B) = A @ B^T in int32 as torch._int_mm, exact as the kernel is (a tuning
+    route where torch runs it on the device, bnb_mps.ops.candidates.int_mm_runs)."""
+
+    __slots__ = ("counted",)
+
+    def __init__(self, name: str, tier: str) -> None:
+        self.counted = (name, tier)
+
+    def __call__(self, args: tuple):
+        import torch
+
+        A, B = args[0], args[1]
+        out = torch._int_mm(A.reshape(-1, A.shape[-1]), B.t())
+        return out.reshape(*A.shape[:-1], B.shape[0])

@@ -41,7 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from .. import json_cache
+from ..executors import GPU_TIERS, clocks
 from . import timing, verify
 from .candidates import Candidate, Candidates
 from .verify.runner import first_line
@@ -95,16 +98,41 @@ def decide(times: dict, default: str) -> str:
 _warned: set = set()
 
 
-def mode(tier: str, device_type: str) -> str:
-    """BNB_MPS_TUNE, or where it is not set: "1" on the GPU tiers for mps tensors (and under
-    testing.fixed_timings), else "0"."""
+def mode(tier: str, on_gpu: bool) -> str:
+    """"0" under torch.use_deterministic_algorithms(True) (every shape takes its built-in route, so two
+    machines compute the same bits); else BNB_MPS_TUNE, or where it is not set: "1" on the GPU tiers
+    for their own device's tensors (`on_gpu`; and under testing.fixed_timings), else "0"."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "0"
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in MODES:
         return value
     if value and value not in _warned:
         _warned.add(value)
         logger.warning("bnb_mps: ignoring %s=%r; expected 0, 1 or always", ENV_VAR, value)
-    return "1" if _fixed is not None or (tier in ("native", "shader") and device_type == "mps") else "0"
+    return "1" if _fixed is not None or (tier in GPU_TIERS and on_gpu) else "0"
+
+
+def on_gpu(tier: str, executor, device: torch.device) -> bool:
+    """Whether calls with tensors on `device` run on a GPU tier's own device (mps; the CPU tensors that
+    stand in for mps ones under bnb_mps.modelled_mps)."""
+    return tier in GPU_TIERS and device.type == getattr(executor, "device_type", None)
+
+
+def clock_for(tier: str, executor, device: torch.device):
+    """The clock that times calls of this tier on `device` (bnb_mps.executors.clocks): the executor's
+    GPU clock where the calls run on its GPU, else the host's. ClockUnavailable where they run on a
+    GPU that cannot time them now (a torch.mps stream other than the default one)."""
+    if not on_gpu(tier, executor, device):
+        return clocks.HostClock()
+    refusal = clocks.gpu_clock_refusal()
+    if refusal is not None:
+        raise ClockUnavailable(refusal)
+    return executor.gpu_clock()
+
+
+class ClockUnavailable(Exception):
+    """No clock can time the calls now: tuning serves the built-in route and keeps nothing."""
 
 
 def excluded() -> frozenset:
@@ -129,15 +157,23 @@ def choose(c: Candidates, tier: str, executor, verified: bool = True) -> str:
     """The route that serves calls of `c`'s shape key on `tier` (whose kernels run on `executor`).
     `verified`: routes other than the built-in one need their kernel families verified (on the tiers
     that serve mps; not for an executor an op was registered with, e.g. in tests, which is taken as it
-    is, its kernels unverified as its built-in route's are)."""
-    how = mode(tier, c.device.type)
+    is, its kernels unverified as its built-in route's are).
+
+    Everything first use does (keying, reading the cache, fresh inputs, building and timing the
+    candidates, writing the cache) is guarded: whatever raises, the call is served by the built-in
+    route, the reason is logged once, and nothing is kept or cached."""
+    how = mode(tier, on_gpu(tier, executor, c.device))
     if how == "0" or len(c.routes) < 2:
         return c.default
     try:
-        machine = _machine_key(tier, executor)
-    except Exception as e:  # (no kernel source to hash: nothing to key a choice by)
-        logger.info("bnb_mps: %s: not tuned, cannot key the choice: %s", c.key, e)
+        return _choose(c, tier, executor, verified, how)
+    except Exception as e:  # noqa: BLE001  (first use must never fail the user's call)
+        _note_once(c.key, f"bnb_mps: {c.key}: not tuned, the built-in route {c.default} serves it: {first_line(e)}")
         return c.default
+
+
+def _choose(c: Candidates, tier: str, executor, verified: bool, how: str) -> str:
+    machine = _machine_key(tier, executor)
     with _lock:
         found = _decided.get((machine, c.key))
         if found is not None and (how != "always" or not found.cached):
@@ -150,6 +186,15 @@ def choose(c: Candidates, tier: str, executor, verified: bool = True) -> str:
                 _decided[machine, c.key] = _made[machine, c.key] = found
                 return found.choice
         return _measured(c, tier, executor, verified, machine).choice
+
+
+_noted: set = set()
+
+
+def _note_once(key: str, message: str) -> None:
+    if key not in _noted:
+        _noted.add(key)
+        logger.warning(message)
 
 
 def retune(c: Candidates, tier: str, executor, verified: bool = True) -> Decision:
@@ -167,11 +212,13 @@ def _measured(c: Candidates, tier: str, executor, verified: bool, machine: str) 
 
 
 def measure(c: Candidates, tier: str, executor, verified: bool = True) -> Decision:
-    """Times every candidate of `c` on fresh inputs of its shape and decides (`decide`)."""
+    """Times every candidate of `c` on fresh inputs of its shape and decides (`decide`). A candidate
+    that raises is dropped (its error kept); a clock that fails (timing.TimingFailed) or that cannot
+    time these calls (ClockUnavailable) raises: nothing measured then may be kept."""
     start = time.perf_counter()
     offered, left_out = _offered(c, tier, executor, verified)
-    gpu = timing.gpu_clock_available(c.device.type, tier)
     fixed = _fixed
+    clock = None if fixed is not None else clock_for(tier, executor, c.device)
     times: dict = {}
     errors: dict = {}
     args = c.fresh()
@@ -183,13 +230,14 @@ def measure(c: Candidates, tier: str, executor, verified: bool = True) -> Decisi
                 served(call)  # (it runs, so that a route that raises is dropped as when timed)
                 times[name] = float(fixed.get(name, math.inf))
             else:
-                times[name] = timing.seconds(lambda: served(call), gpu)
+                times[name] = timing.seconds(lambda: served(call), clock)
+        except timing.TimingFailed:
+            raise
         except Exception as e:  # noqa: BLE001  (a route that cannot serve this shape here is no candidate)
             errors[name] = first_line(e)
     choice = decide(times, c.default)
-    clock = "fixed" if fixed is not None else "gpu" if gpu else "host"
-    decision = Decision(c.op, c.key, choice, c.default, times, tier, errors, left_out, clock,
-                        time.perf_counter() - start)  # fmt: skip
+    decision = Decision(c.op, c.key, choice, c.default, times, tier, errors, left_out,
+                        "fixed" if fixed is not None else clock.name, time.perf_counter() - start)  # fmt: skip
     logger.info("bnb_mps: tuned %s on the %s tier: %s (%s) in %.3f s", c.key, tier, choice,
                 ", ".join(f"{r} {t:.3g} s" for r, t in times.items()), decision.seconds)  # fmt: skip
     return decision

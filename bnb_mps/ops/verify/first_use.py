@@ -105,7 +105,7 @@ def _verify(family: Family, executor, device: str) -> Verdict:
         if first.passed or not first.worth_a_second_run:
             return first
         with contextlib.suppress(Exception):  # (what the first run left in flight completes, or its error shows
-            synchronize(device)               # in the second run; that run starts a fresh command buffer)
+            synchronize(executor)             # in the second run; that run starts a fresh command buffer)
         second = run_family(family, executor, device)
     finally:
         running.pop()

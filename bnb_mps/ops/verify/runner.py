@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Optional
 
@@ -12,6 +13,8 @@ from . import sentinel
 from .cases import Family, Unaligned
 from .launches import LaunchFailed, Recorder, cannot_run
 from .verdicts import Verdict
+
+logger = logging.getLogger("bnb_mps")
 
 
 def run_family(family: Family, executor, device: str) -> Verdict:
@@ -35,6 +38,10 @@ def run_family(family: Family, executor, device: str) -> Verdict:
                        recorder.launches, recorder.bytes, skipped=tuple(skipped),
                        could_not_run=(could_not_run or device_error) and not passed, device_error=device_error)  # fmt: skip
 
+    try:  # (what ran before is not the family's: torch >= 2.15 raises an earlier command buffer's error here, once)
+        synchronize(executor)
+    except Exception as e:  # noqa: BLE001
+        logger.info("bnb_mps: before verifying %s: the GPU reported an earlier error: %s", family.name, first_line(e))
     try:
         pending = []
         for case in family.cases():
@@ -53,7 +60,7 @@ def run_family(family: Family, executor, device: str) -> Verdict:
                 return verdict(False, first_line(e.error), could_not_run=cannot_run(e.error))
         label = "(after the launches)"
         try:
-            synchronize(device)
+            synchronize(executor)
             errors = recorder.device_errors()
         except Exception as e:  # (an error of the device, not of one case)
             return verdict(False, f"synchronising after the launches: {first_line(e)}", device_error=True)
@@ -102,12 +109,13 @@ def to_cpu(x: Any) -> Any:
     return x
 
 
-def synchronize(device: str) -> None:
-    """Waits for what was encoded on `device` (on mps: commits the command buffer and waits for it;
-    the next launch starts a new one)."""
-    module = getattr(torch, device, None)
-    if device != "cpu" and module is not None and hasattr(module, "synchronize"):
-        module.synchronize()
+def synchronize(executor) -> None:
+    """Waits for what `executor` encoded (a GPU tier: torch.mps.synchronize(), which commits the command
+    buffer and waits for it; the next launch starts a new one). From torch 2.15 it raises an earlier
+    command buffer's error, once."""
+    wait = getattr(executor, "synchronize", None)
+    if wait is not None:
+        wait()
 
 
 def first_line(e: BaseException) -> str:

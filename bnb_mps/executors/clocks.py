@@ -1,0 +1,142 @@
+"""Clocks that time a batch of calls: the GPU's, where a GPU tier serves, else the host's.
+
+`clock.batch(call, n)` runs `call` n times and returns the seconds the batch took on that clock.
+An exception of `call` itself propagates as `CallRaised` (the caller's route raised); anything that
+goes wrong with the clock (an error of torch's events, times that come out reversed or not at all)
+raises `ClockFailed`, so that a caller never mistakes a clock's trouble for its route's.
+
+- `EventClock` (the shader tier; any tier that encodes on torch's MPS stream): two timing events
+  around the batch, both recorded, then `torch.mps.synchronize()`, then `elapsed_time`. A timing
+  event is never synchronized: on torch 2.13 and 2.14 `Event.synchronize()` before the GPU is done,
+  followed by `elapsed_time`, waits forever (pytorch#162872: `record()` and `synchronize()` each
+  register a completion callback that sets one boolean, `MPSEvent::m_cpu_sync_completed`;
+  `synchronize()` consumes it, and `elapsed_time()` then waits for a signal that was already taken).
+  What the figure covers: torch stamps each event with the host's clock when Metal's shared-event
+  listener reports that the GPU passed it (torch <= 2.14), or with the GPU end time of the command
+  buffer that signalled it (torch >= 2.15); each `record()` commits the stream's command buffer. So
+  the batch is timed from the end of the GPU work before it to the end of its own, including any
+  time the GPU sat idle waiting for the host to encode (a batch of calls the host encodes more
+  slowly than the GPU runs them is timed at the host's pace), and, before 2.15, the listener's
+  delivery latency (microseconds) at each end.
+- `CommandBufferClock` (the native tier, whose module reads command buffers' GPU times): after a
+  synchronisation (so no earlier work shares the batch's first command buffer), the command buffer
+  of each call is watched (`_native.CommandBufferWatch.track()` after the call); after a second
+  synchronisation, the batch is max(GPUEndTime) - min(GPUStartTime) over the watched buffers: GPU
+  time, idle gaps between the batch's command buffers included.
+- `HostClock`: `time.perf_counter` around the batch (the emulated tier, CPU tensors): figures that
+  say nothing about a GPU.
+
+Only calls on torch's default MPS stream are timed on a GPU clock: torch 2.15's public streams
+refuse `Event.record()` elsewhere (`gpu_clock_refusal`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+#: how long the native clock waits for watched command buffers to report, after a synchronisation
+REPORT_TIMEOUT = 10.0
+
+
+class ClockFailed(Exception):
+    """The clock could not time a batch (its own trouble, not the route's)."""
+
+
+class CallRaised(Exception):
+    """The timed call raised (`__cause__` is its exception)."""
+
+
+def _run(call: Callable[[], object], n: int) -> None:
+    try:
+        for _ in range(n):
+            call()
+    except Exception as e:
+        raise CallRaised(str(e)) from e
+
+
+def _checked(seconds: float, what: str) -> float:
+    if not (isinstance(seconds, float) and math.isfinite(seconds) and seconds > 0):
+        raise ClockFailed(f"{what} gave {seconds!r} s for a batch (reversed or no time)")
+    return seconds
+
+
+class HostClock:
+    name = "host"
+
+    def batch(self, call: Callable[[], object], n: int) -> float:
+        start = time.perf_counter()
+        _run(call, n)
+        return _checked(float(time.perf_counter() - start), "the host's clock")
+
+
+class EventClock:
+    name = "gpu"
+
+    def batch(self, call: Callable[[], object], n: int) -> float:
+        mps = torch.mps
+        try:
+            start, end = mps.Event(enable_timing=True), mps.Event(enable_timing=True)
+            start.record()
+        except Exception as e:
+            raise ClockFailed(f"torch.mps.Event: {e}") from e
+        _run(call, n)
+        try:
+            end.record()
+            mps.synchronize()  # (the device's, never the event's: see the module docstring)
+            ms = float(start.elapsed_time(end))
+        except Exception as e:
+            raise ClockFailed(f"torch.mps.Event: {e}") from e
+        return _checked(ms / 1e3, "torch.mps.Event.elapsed_time")
+
+
+class CommandBufferClock:
+    name = "gpu"
+
+    def __init__(self, watch: Callable[[], object]) -> None:
+        self._watch = watch  # makes a _native.CommandBufferWatch
+
+    def batch(self, call: Callable[[], object], n: int) -> float:
+        try:
+            torch.mps.synchronize()
+            watch = self._watch()
+        except Exception as e:
+            raise ClockFailed(f"watching command buffers: {e}") from e
+        calls = 0
+
+        def tracked() -> None:
+            nonlocal calls
+            call()
+            watch.track()
+            calls += 1
+
+        _run(tracked, n)
+        try:
+            torch.mps.synchronize()
+            errors = watch.errors(REPORT_TIMEOUT)
+            spans = list(watch.gpu_times())
+        except Exception as e:
+            raise ClockFailed(f"reading command buffers' GPU times: {e}") from e
+        if errors:
+            raise ClockFailed(f"a timed command buffer did not complete: {errors[0]}")
+        if not spans:
+            raise ClockFailed("no watched command buffer reported GPU times")
+        return _checked(float(max(e for _, e in spans) - min(s for s, _ in spans)), "the command buffers' GPU times")
+
+
+def gpu_clock_refusal() -> Optional[str]:
+    """Why calls made now cannot be timed on a GPU clock (not on torch's default MPS stream), or None."""
+    mps = getattr(torch, "mps", None)
+    current, default = getattr(mps, "current_stream", None), getattr(mps, "default_stream", None)
+    if current is None or default is None:  # (torch < 2.15: one stream, the default one)
+        return None
+    try:
+        if current() != default():
+            return "the calls run on a torch.mps stream other than the default one, where torch cannot time them"
+    except Exception as e:  # noqa: BLE001
+        return f"torch.mps cannot say which stream is current ({e})"
+    return None

@@ -1,0 +1,449 @@
+"""The host path only a Mac runs, executed through the model of torch's MPS runtime
+(bnb_mps.testing.use_modelled_mps; bnb_mps/modelled_mps, written from torch's MPSEvent.mm,
+MPSStream.mm, MPSHooks.mm and torch/mps/).
+
+Under the model, bitsandbytes ops on CPU tensors take the route a Mac gives them on mps: first-use
+verification on the shader tier, tuning on the GPU clock with torch's timing events, launch plans;
+torch.mps.compile_shader's kernels run under the emulator. The references: the emulated tier's
+results (the same kernels, launched by bnb_mps' own emulated executor) for bits, torch's own source
+for what the events do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import bnb_mps
+from bnb_mps import ops
+from bnb_mps.executors import clocks
+from bnb_mps.modelled_mps import VERSIONS
+from bnb_mps.ops import routing, timing, tuning
+from bnb_mps.testing import ModelledDeadlock, use_emulated_kernels, use_modelled_mps
+from op_inputs import cases
+from optim_inputs import args_8bit, clone
+
+pytest.importorskip("bnb_mps._emu")
+pytestmark = [pytest.mark.filterwarnings("ignore::bnb_mps.executors.SlowTierWarning"),
+              pytest.mark.filterwarnings("ignore::bnb_mps.ops.verify.VerificationWarning")]
+bnb = torch.ops.bitsandbytes
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning(monkeypatch, tmp_path):
+    """Tuning off unless a test turns it on, in a cache file of the test's own."""
+    monkeypatch.setenv(tuning.ENV_VAR, "0")
+    monkeypatch.setenv(tuning.CACHE_ENV_VAR, str(tmp_path / "tune.json"))
+    tuning.reset()
+    yield tmp_path / "tune.json"
+    tuning.reset()
+
+
+def gemm_args(M, N=64, K=256, dtype=torch.float16, seed=0):
+    """gemm_4bit arguments as QLoRA makes them: nf4, blocksize 64, nested absmax, bias."""
+    import bitsandbytes.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    packed, state = F.quantize_4bit(torch.randn(N, K, generator=g), blocksize=64, quant_type="nf4",
+                                    compress_statistics=True)  # fmt: skip
+    A = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    return [A, packed, [N, K], state.state2.absmax, 64, "nf4", bias, state.absmax, state.state2.code,
+            state.offset.reshape(1)]  # fmt: skip
+
+
+def run(op: str, args: list):
+    """(the op's result, its arguments after the call): both, since some ops write into arguments."""
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    base, _, overload = op.partition(".")
+    return getattr(getattr(bnb, base), overload or "default")(*args), args
+
+
+def path_of(kernel: str) -> str:
+    """The 4-bit product path a kernel belongs to (bnb_gemv_4bit_..., bnb_gemm_4bit_<path>_...)."""
+    return "gemv" if kernel.startswith("bnb_gemv") else kernel.split("_")[3]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` (NaN payloads and signed zeros compare as bits)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() and flat.element_size() else flat
+
+
+def identical(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(bits(a), bits(b))
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# -- torch's events, as each version has them -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_synchronizing_a_timing_event_before_elapsed_time_deadlocks_where_torch_does(version):
+    """pytorch#162872: on torch 2.13 and 2.14 record(), then synchronize() before the GPU is done, then
+    elapsed_time() waits forever; the model raises ModelledDeadlock there every time (the modelled GPU
+    is never done by the host's next step). Fixed in 2.15."""
+    with use_modelled_mps(version) as mps:
+        start, end = torch.mps.Event(enable_timing=True), torch.mps.Event(enable_timing=True)
+        start.record()
+        end.record()
+        assert not end.query()  # (the GPU is not done yet)
+        end.synchronize()
+        assert end.query()
+        if VERSIONS[version].event_sync_is_a_bool:
+            with pytest.raises(ModelledDeadlock, match="pytorch#162872"):
+                start.elapsed_time(end)
+        else:
+            assert start.elapsed_time(end) > 0
+        assert mps.runtime.counts["event_synchronize"] == 1
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_recording_both_events_then_synchronizing_the_device_times_the_batch(version):
+    """The sequence bnb-mps' EventClock uses: no version deadlocks on it, and the time is positive."""
+    with use_modelled_mps(version):
+        start, end = torch.mps.Event(enable_timing=True), torch.mps.Event(enable_timing=True)
+        start.record()
+        end.record()
+        torch.mps.synchronize()
+        assert start.elapsed_time(end) > 0
+        assert clocks.EventClock().batch(lambda: None, 3) > 0
+
+
+def test_elapsed_time_of_events_recorded_in_reverse_raises_as_torch_does():
+    with use_modelled_mps("2.13"):
+        first, second = torch.mps.Event(enable_timing=True), torch.mps.Event(enable_timing=True)
+        first.record()
+        second.record()
+        torch.mps.synchronize()
+        with pytest.raises(RuntimeError, match="was not recorded after start event"):
+            second.elapsed_time(first)
+
+
+def test_the_model_is_not_reentrant_and_restores_torch():
+    had = hasattr(torch._C, "_mps_compileShader")
+    version = torch.__version__
+    with use_modelled_mps("2.15"):
+        assert torch.backends.mps.is_available() and str(torch.__version__) == "2.15.0"
+        assert hasattr(torch.mps, "current_stream")
+        with pytest.raises(RuntimeError, match="already active"):
+            with use_modelled_mps("2.13"):
+                pass
+    assert str(torch.__version__) == str(version) and not torch.backends.mps.is_available()
+    assert hasattr(torch._C, "_mps_compileShader") == had
+    with pytest.raises(ValueError, match="torch_version"):
+        with use_modelled_mps("2.12"):
+            pass
+
+
+# -- every op family on the shader tier, bit for bit ---------------------------------------------------------
+
+OPS_WITH_KERNELS = sorted(name for name, op in ops.OPS.items() if op.kernel is not None)
+
+
+@pytest.mark.parametrize("op", OPS_WITH_KERNELS)
+def test_every_op_on_the_shader_tier_equals_the_emulated_tier_with_tuning_off(op):
+    """Each op's representative calls (tests/op_inputs.py) through the model (the shader tier, its
+    first-use verification, launch plans) give the same bits as the emulated tier, outputs and
+    updated arguments alike, and are served by the shader tier."""
+    calls = list(cases(op))  # (made before either registration: their inputs come from bitsandbytes' CPU code)
+    with use_emulated_kernels():
+        want = [run(op, args) for _, args in calls]
+    with use_modelled_mps("2.13") as mps:
+        ops.reset_call_counts()
+        got = [run(op, args) for _, args in calls]
+        counts = ops.call_counts().get(op, {})
+        route = routing.route(op)
+    assert route.tier == "shader", route
+    for (label, _), g, w in zip(calls, got, want):
+        assert identical(g, w), f"{op} {label}: the shader tier differs from the emulated tier"
+    assert counts.get("shader", 0) >= 1 and set(counts) == {"shader"}, counts
+    assert mps.runtime.counts["kernels"] > 0
+
+
+# -- the issue's check: quantize, dequantize, gemm_4bit at M = 1, 5, 40, an 8-bit optimizer step --------------
+
+PATHS = {1: "gemv", 5: "batch", 40: "mma"}
+
+
+def qlora_calls():
+    W = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    calls = [("quantize_4bit", [W, 64, "nf4", torch.uint8])]
+    packed, absmax = bnb.quantize_4bit.default(W, 64, "nf4", torch.uint8)
+    calls.append(("dequantize_4bit", [packed, absmax, 64, "nf4", [64, 256], torch.float16]))
+    calls += [("gemm_4bit", gemm_args(M)) for M in PATHS]
+    calls.append(("optimizer_update_8bit_blockwise", args_8bit("adam", 700, torch.float16, seed=5)))
+    return calls
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_the_qlora_ops_on_the_shader_tier_equal_the_emulated_tier_then_tune_without_hanging(version, monkeypatch):
+    calls = qlora_calls()
+    with use_emulated_kernels() as emulated:
+        want = [run(op, clone(args)) for op, args in calls]
+    gemm_kernels = [k for k in emulated.launched if k.startswith("bnb_gemm") or k.startswith("bnb_gemv")]
+    assert [path_of(k) for k in gemm_kernels] == ["gemv", "batch", "mma"]  # (each path of the products)
+    with use_modelled_mps(version) as mps:
+        got = [run(op, clone(args)) for op, args in calls]
+        assert mps.runtime.counts["elapsed_time"] == 0  # (tuning off: nothing timed)
+    for (op, _), g, w in zip(calls, got, want):
+        assert identical(g, w), f"{op} on torch {version}'s model differs from the emulated tier"
+
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    with use_modelled_mps(version) as mps:  # (a Mac's default: tuning on for mps tensors)
+        tuned = [run(op, clone(args)) for op, args in calls]
+        rows = bnb_mps.tuning_table()
+        assert mps.runtime.counts["elapsed_time"] > 0 and mps.runtime.counts["event_synchronize"] == 0
+    gemm_rows = [r for r in rows if r["op"] == "gemm_4bit"]
+    assert len(gemm_rows) == len(PATHS) and all(r["tier"] == "shader" and r["clock"] == "gpu" for r in rows), rows
+    for r in gemm_rows:
+        assert r["choice"] in r["times"] and not r["errors"], r
+    for (op, _), t, w in zip(calls, tuned, want):  # (another route may round differently: section 4's bound)
+        out_t, out_w = (t[0][0], w[0][0]) if isinstance(t[0], tuple) else (t[0], w[0])
+        if out_t is not None and out_t.is_floating_point():
+            assert torch.allclose(out_t.float(), out_w.float(), rtol=2e-2, atol=2e-2), op
+
+
+def test_first_use_timing_that_synchronizes_a_timing_event_fails_and_does_not_hang(monkeypatch):
+    """The sequence the review found (end.record(); end.synchronize(); start.elapsed_time(end)), planted
+    back into the event clock, makes the first tuned call raise ModelledDeadlock on torch 2.13: no
+    guard of first use can hide it (a BaseException), so any test that tunes under the model fails."""
+
+    def deadlocking(self, call, n):
+        start, end = torch.mps.Event(enable_timing=True), torch.mps.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    monkeypatch.setattr(clocks.EventClock, "batch", deadlocking)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    args = gemm_args(5)
+    with use_modelled_mps("2.13"):
+        with pytest.raises(ModelledDeadlock):
+            bnb.gemm_4bit.default(*args)
+
+
+# -- what first use does when timing fails ---------------------------------------------------------------------
+
+
+def test_a_reversed_timing_is_retried_once_and_the_route_kept(monkeypatch, _own_tuning):
+    """torch raises for a pair of timestamps that comes out reversed; the batch is timed again, and the
+    decision (with every route measured) is kept and cached as usual."""
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    args = gemm_args(5)
+    with use_modelled_mps("2.13") as mps:
+        real = mps.runtime.elapsed_time
+        failed = []
+
+        def once_reversed(start_id, end_id):
+            if not failed:
+                failed.append(1)
+                real(start_id, end_id)
+                raise RuntimeError(f"End event {end_id} was not recorded after start event {start_id}")
+            return real(start_id, end_id)
+
+        monkeypatch.setattr(torch._C, "_mps_elapsedTimeOfEvents", once_reversed)
+        bnb.gemm_4bit.default(*args)
+        rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
+    assert failed and len(rows) == 1 and not rows[0]["errors"], rows
+    assert set(rows[0]["times"]) >= {"batch", "mma", "dequantize+linear"}, rows
+    assert rows[0]["key"] in json.dumps(json.loads(_own_tuning.read_text()))
+
+
+def test_a_timing_that_fails_twice_serves_the_built_in_route_and_caches_nothing(monkeypatch, _own_tuning, caplog):
+    args = gemm_args(5)
+    with use_emulated_kernels():
+        want, _ = run("gemm_4bit", args)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    with use_modelled_mps("2.13") as mps:
+
+        def always_reversed(start_id, end_id):
+            raise RuntimeError(f"End event {end_id} was not recorded after start event {start_id}")
+
+        monkeypatch.setattr(torch._C, "_mps_elapsedTimeOfEvents", always_reversed)
+        with caplog.at_level(logging.WARNING, logger="bnb_mps"):
+            got, _ = run("gemm_4bit", args)
+        assert [k for k in mps.launched if "gemm" in k or "gemv" in k][-1].startswith("bnb_gemm_4bit_batch")
+        rows = bnb_mps.tuning_table()
+    assert identical(got, want)  # (the built-in route: batch at M = 5)
+    assert rows == [] and not (_own_tuning.exists() and json.loads(_own_tuning.read_text()))
+    assert "not tuned" in caplog.text and "twice" in caplog.text
+
+
+def test_timing_retries_a_failed_batch_once_then_gives_up():
+    class Flaky:
+        name = "gpu"
+
+        def __init__(self, failures):
+            self.failures, self.batches = failures, 0
+
+        def batch(self, call, n):
+            self.batches += 1
+            if self.failures:
+                self.failures -= 1
+                raise clocks.ClockFailed("reversed")
+            for _ in range(n):
+                call()
+            return 2e-3 * n
+
+    flaky = Flaky(1)
+    assert timing.seconds(lambda: None, flaky) == pytest.approx(2e-3)
+    assert flaky.batches == timing.SAMPLES + 1
+    with pytest.raises(timing.TimingFailed):
+        timing.seconds(lambda: None, Flaky(2))
+
+
+@pytest.mark.parametrize("failure", ["fresh", "read"])
+def test_an_error_anywhere_in_first_use_serves_the_built_in_route(monkeypatch, _own_tuning, failure):
+    """Out of memory while making the tuning inputs, or a cache that cannot be read: the user's call is
+    served (by its built-in route), and nothing is kept or cached."""
+    args = gemm_args(40)
+    with use_emulated_kernels():
+        want, _ = run("gemm_4bit", args)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+
+    def fail(*a, **k):
+        raise RuntimeError("MPS backend out of memory")
+
+    if failure == "fresh":
+        real_of = tuning.Candidates.__init__
+
+        def no_fresh(self, *a, **k):
+            real_of(self, *a, **k)
+            self.fresh = fail
+
+        monkeypatch.setattr(tuning.Candidates, "__init__", no_fresh)
+    else:
+        monkeypatch.setattr(tuning, "_read", fail)
+    with use_modelled_mps("2.13"):
+        got, _ = run("gemm_4bit", args)
+        rows = bnb_mps.tuning_table() if failure == "fresh" else []
+    assert identical(got, want) and rows == []
+    assert not (_own_tuning.exists() and json.loads(_own_tuning.read_text()))
+
+
+def test_calls_on_another_stream_are_not_tuned_and_nothing_is_cached(monkeypatch, _own_tuning):
+    """torch 2.15's public streams: Event.record() raises off the default stream; tuning skips those
+    calls (the built-in route serves) and caches nothing, then tunes on the default stream."""
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    args = gemm_args(5)
+    with use_modelled_mps("2.15") as mps:
+        with torch.mps.stream(torch.mps.Stream()):
+            with pytest.raises(NotImplementedError):
+                torch.mps.Event(enable_timing=True).record()
+            bnb.gemm_4bit.default(*clone(args))
+        assert mps.runtime.counts["elapsed_time"] == 0 and bnb_mps.tuning_table() == []
+        assert not (_own_tuning.exists() and json.loads(_own_tuning.read_text()))
+        tuning.reset()
+        bnb.gemm_4bit.default(*clone(args))
+        rows = bnb_mps.tuning_table()
+        assert "gemm_4bit" in {r["op"] for r in rows} and {r["clock"] for r in rows} == {"gpu"}, rows
+
+
+def test_deterministic_algorithms_take_the_built_in_route(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) nothing is tuned, even with BNB_MPS_TUNE=1: two
+    Macs compute the same bits (the emulated tier's built-in route)."""
+    args = gemm_args(5)
+    with use_emulated_kernels():
+        want, _ = run("gemm_4bit", args)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with use_modelled_mps("2.13") as mps:
+            got, _ = run("gemm_4bit", args)
+            assert mps.runtime.counts["elapsed_time"] == 0 and bnb_mps.tuning_table() == []
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert identical(got, want)
+
+
+def test_an_earlier_command_buffer_error_does_not_fail_verification_on_2_15(monkeypatch, tmp_path):
+    """torch 2.15's synchronize() raises an earlier command buffer's error, once: verification takes it
+    before its own launches (it is not the family's), and its clean run passes."""
+    from bnb_mps.ops import verify
+
+    monkeypatch.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
+    verify.reset()
+    try:
+        with use_modelled_mps("2.15") as mps:
+            mps.runtime.current_stream.command_buffer().error = "planted: an earlier GPU address fault"
+            torch.mps.Event().record()  # (commits that buffer)
+            x = torch.randn(300, generator=torch.Generator().manual_seed(1))
+            code = torch.linspace(-1, 1, 256)
+            bnb.quantize_blockwise.default(x, code, 64)
+            assert routing.route("quantize_blockwise").tier == "shader"
+            torch.mps.synchronize()  # (raised once already, not again)
+    finally:
+        verify.reset()
+
+
+# -- the commands a Mac user runs ------------------------------------------------------------------------------
+
+
+def test_the_verify_command_on_the_shader_tier(monkeypatch, tmp_path, capsys):
+    from bnb_mps.__main__ import main
+    from bnb_mps.ops import verify
+
+    monkeypatch.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
+    verify.reset()
+    try:
+        with use_modelled_mps("2.13") as mps:
+            status = main(["verify", "--tier", "shader", "--json", str(tmp_path / "verdicts.json")])
+    finally:
+        verify.reset()
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "verdicts.json").read_text())
+    assert status == 0, out
+    assert "shader" in out and mps.runtime.counts["kernels"] > 0 and mps.runtime.counts["synchronize"] > 0
+    assert json.dumps(report).count('"passed": true') >= len(verify.FAMILIES), report
+
+
+def test_the_tune_command_on_the_shader_tier_measures_on_the_gpu_clock(monkeypatch, _own_tuning, capsys):
+    from bnb_mps.__main__ import main
+
+    with use_modelled_mps("2.13") as mps:
+        status = main(["tune", "--tier", "shader", "--shapes", "64x256", "--m", "1,5,40"])
+        rows = bnb_mps.tuning_table()
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "timings mean nothing" not in out  # (the GPU clock, not the host's)
+    gemm = [r for r in rows if r["op"] == "gemm_4bit"]
+    assert len(gemm) == 3 and {r["tier"] for r in gemm} == {"shader"} and {r["clock"] for r in gemm} == {"gpu"}, rows
+    assert mps.runtime.counts["elapsed_time"] > 0 and mps.runtime.counts["event_synchronize"] == 0
+    cached = json.loads(_own_tuning.read_text())
+    assert any(k.startswith("shader |") for k in cached), list(cached)
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_torch_int_mm_is_a_route_of_the_int8_product_where_torch_runs_it_on_mps(version, monkeypatch):
+    """torch 2.15 runs torch._int_mm on mps: a tuning candidate of int8_linear_matmul there, which serves
+    where it measures faster (fixed timings) and gives the kernel's exact int32 products; before 2.15 it
+    is no candidate."""
+    from bnb_mps.testing import fixed_timings
+
+    g = torch.Generator().manual_seed(2)
+    A = torch.randint(-128, 128, (2, 5, 96), dtype=torch.int8, generator=g)
+    B = torch.randint(-128, 128, (40, 96), dtype=torch.int8, generator=g)
+    want = (A.reshape(-1, 96).double() @ B.double().t()).reshape(2, 5, 40)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    with use_modelled_mps(version):
+        with fixed_timings({"torch._int_mm": 1e-3, "kernel": 2e-3}):
+            got = bnb.int8_linear_matmul.default(A, B)
+            rows = [r for r in bnb_mps.tuning_table() if r["key"] == "int8_linear_matmul A=int8[2, 5, 96] B=int8[40, 96]"]
+    assert got.dtype == torch.int32 and torch.equal(got.double(), want)
+    if VERSIONS[version].int_mm_on_mps:
+        assert len(rows) == 1 and rows[0]["choice"] == "torch._int_mm", rows
+        assert set(rows[0]["times"]) == {"kernel", "torch._int_mm"}, rows
+    else:
+        assert rows == []  # (the kernel alone: nothing to choose from)
