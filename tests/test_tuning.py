@@ -681,24 +681,36 @@ def test_the_shape_key_of_quantize_dequantize_and_optimizer_ops_tells_dtypes_apa
 
 
 def test_timing_reports_seconds_per_call():
-    """Fault T12: timing reported the time of a batch of calls instead of one call. A call that takes
-    0.1 ms (a busy wait on the host's clock) is reported at about 0.1 ms: batches of ten such calls
-    make the 1 ms a batch lasts at least, so time per batch would read ten times as much."""
+    """Fault T12: timing reported the time of a batch of calls instead of one call. On a clock where
+    each call takes 0.1 ms, batches of ten such calls make the 1 ms a batch lasts at least, and the
+    time per call is 0.1 ms (time per batch would read ten times as much); on the host's clock a call
+    that takes 0.1 ms (a busy wait) is reported at about that."""
     import time
 
+    from bnb_mps.executors import clocks
     from bnb_mps.ops import timing
 
-    calls = []
+    class Steady:
+        name = "steady"
+        batches: list = []
 
-    def call(duration=1e-4):
-        calls.append(1)
+        def batch(self, call, n):
+            for _ in range(n):
+                call()
+            self.batches.append(n)
+            return n * 1e-4
+
+    calls = []
+    clock = Steady()
+    assert timing.seconds(lambda: calls.append(1), clock) == pytest.approx(1e-4, rel=1e-12)
+    assert max(clock.batches) == 10 and len(calls) == 1 + sum(clock.batches)  # (a warm-up, then the batches)
+
+    def busy(duration=1e-4):
         end = time.perf_counter() + duration
         while time.perf_counter() < end:
             pass
 
-    got = timing.seconds(call, False)
-    assert 0.9e-4 <= got <= 3e-4, got
-    assert len(calls) >= 10  # (batches of several calls were timed)
+    assert 0.9e-4 <= timing.seconds(busy, clocks.HostClock()) <= 3e-4
 
 
 def test_an_empty_product_is_served_by_its_built_in_route_without_measuring():
