@@ -57,6 +57,7 @@ NOT_COVERED = "tests/test_not_covered.py"
 JSON_CACHE = "tests/test_json_cache.py"
 LINT = "tests/test_msl_lint.py"
 DEMO_CHECK = "tests/test_demo_check.py"
+MODELLED = "tests/test_modelled_mps.py"
 
 FAULTS = [
     # -- tuning: the decision, the switches, the cache (bnb_mps/ops/tuning.py) -----------------------------
@@ -75,9 +76,8 @@ FAULTS = [
           "return 1 << max(M, 0).bit_length()", (TUNING, "-k", "rounds_rows"), "M rounded up to a power of two"),
     Fault("T6", "bnb_mps/ops/tuning.py", "    skip = excluded()\n", "    skip = frozenset()\n",
           (TUNING, "-k", "excluded_routes"), "BNB_MPS_TUNE_EXCLUDE honoured"),
-    Fault("T7", "bnb_mps/ops/tuning.py", 'tier in ("native", "shader") and device_type == "mps"',
-          'tier in ("native", "shader", "emulated")', (TUNING, "-k", "off_on_the_emulated"),
-          "tuning off by default where timings mean nothing"),
+    Fault("T7", "bnb_mps/ops/tuning.py", '(tier in GPU_TIERS and on_gpu) else "0"', '(tier in GPU_TIERS) else "0"',
+          (TUNING, "-k", "off_on_the_emulated"), "tuning off by default where timings mean nothing"),
     Fault("T8", "bnb_mps/ops/tuning.py", "errors[name] = first_line(e)", "raise",
           (TUNING, "-k", "candidate_that_raises"), "a candidate that raises is dropped, not the call"),
     Fault("T9", "bnb_mps/ops/tuning.py",
@@ -117,8 +117,32 @@ FAULTS = [
     Fault("T20", "bnb_mps/ops/tuning.py", 'if how == "0" or len(c.routes) < 2:', 'if how == "0" or len(c.routes) < 1:',
           (TUNING, "-k", "empty_product"), "an op with one route is not measured"),
     # -- timing (bnb_mps/ops/timing.py) ------------------------------------------------------------------------
-    Fault("T12", "bnb_mps/ops/timing.py", "samples.append(batch(call, n) / n)", "samples.append(batch(call, n))",
-          (TUNING, "-k", "seconds_per_call"), "time per call, not per batch"),
+    Fault("T12", "bnb_mps/ops/timing.py", "samples.append(_batch(call, n, clock) / n)",
+          "samples.append(_batch(call, n, clock))", (TUNING, "-k", "seconds_per_call"), "time per call, not per batch"),
+    Fault("TM1", "bnb_mps/ops/timing.py", "return statistics.median(samples)", "return min(samples)",
+          (TUNING, "-k", "median_batch"), "the median batch counts"),
+    Fault("TM2", "bnb_mps/ops/timing.py", "            if attempt == 2:\n", "            if attempt == 1:\n",
+          (MODELLED, "-k", "retried or retries"), "a failed batch is timed once more"),
+    Fault("TM3", "bnb_mps/ops/timing.py", "            raise e.__cause__ from None\n",
+          "            raise TimingFailed(str(e)) from None\n", (TUNING, "-k", "raises_while_timed"),
+          "a route's own error is the route's, not the clock's"),
+    Fault("TM4", "bnb_mps/ops/tuning.py", "        except timing.TimingFailed:\n            raise\n",
+          "        except timing.TimingFailed:\n            pass\n", (MODELLED, "-k", "fails_twice"),
+          "a clock that fails keeps no decision"),
+    Fault("TM5", "bnb_mps/ops/tuning.py", "    if torch.are_deterministic_algorithms_enabled():\n",
+          "    if False:\n", (MODELLED, "-k", "deterministic"), "deterministic mode takes the built-in routes"),
+    Fault("TM6", "bnb_mps/executors/clocks.py", "        if current() != default():\n", "        if False:\n",
+          (MODELLED, "-k", "another_stream"), "calls on another stream are not timed"),
+    Fault("TM7", "bnb_mps/executors/clocks.py",
+          "            mps.synchronize()  # (the device's, never the event's: see the module docstring)\n",
+          "            end.synchronize()\n", (MODELLED, "-k", "first_use_timing or qlora"),
+          "a timing event is never synchronized (torch 2.13/2.14 deadlock)"),
+    Fault("TM8", "bnb_mps/ops/tuning.py", "    except Exception as e:  # noqa: BLE001  (first use must never fail the user's call)\n",
+          "    except RuntimeError as e:  # noqa: BLE001  (first use must never fail the user's call)\n",
+          (MODELLED, "-k", "error_anywhere"), "whatever first use raises, the built-in route serves"),
+    Fault("TM9", "bnb_mps/ops/tuning.py", 'return tier in GPU_TIERS and device.type == getattr(executor, "device_type", None)',
+          "return tier in GPU_TIERS", (TUNING, "-k", "off_on_the_emulated"),
+          "only the GPU tier's own device's calls are timed on its clock"),
     # -- candidates (bnb_mps/ops/candidates.py) ----------------------------------------------------------------
     Fault("C1", "bnb_mps/ops/candidates.py", "return name != \"gemm_4bit\" or args[2][1] % args[4] == 0",
           "return True", (TUNING, "-k", "tune_command_measures"),

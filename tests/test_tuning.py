@@ -226,6 +226,28 @@ def test_a_candidate_that_raises_is_dropped_with_its_error():
     assert same_bits(got, gemm_by_hand("bitsandbytes", args))
 
 
+def test_a_candidate_that_raises_while_timed_is_dropped_and_the_others_timed(monkeypatch):
+    """As above, on a real clock (the host's: the emulated kernels timed): a route's own error while it
+    is timed drops that route, never the measurement (that would be the clock's trouble, which keeps
+    nothing)."""
+
+    class Faulty(RecordingExecutor):
+        def launch(self, kernel, *, grid, threadgroup, args):
+            if kernel.startswith("bnb_dequantize_4bit_"):
+                raise RuntimeError(f"{kernel}: command buffer error")
+            super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    faulty = Faulty(executors.load_tier("emulated"))
+    entry = ops.dispatcher_entry("gemm_4bit", faulty, None, lambda *a: bnb.gemm_4bit.default(*a))
+    args = small_gemm()
+    got = entry(tuple(copy.deepcopy(args)), {})
+    row = row_of("gemm_4bit")
+    assert row["clock"] == "host" and set(row["times"]) == set(candidates_of(3)) - {"dequantize+linear"}, row
+    assert row["errors"] == {"dequantize+linear": "RuntimeError: bnb_dequantize_4bit_nf4_f32: command buffer error"}
+    assert same_bits(got, gemm_by_hand(row["choice"], args))
+
+
 def test_switch_0_keeps_the_built_in_order_and_excluded_routes_are_no_candidates(monkeypatch):
     args = gemm_args(40)
     monkeypatch.setenv(tuning.ENV_VAR, "0")
@@ -712,6 +734,23 @@ def test_timing_reports_seconds_per_call():
 
     assert 0.9e-4 <= timing.seconds(busy, clocks.HostClock()) <= 3e-4
 
+
+
+def test_timing_takes_the_median_batch_per_call():
+    """Five batches of ten calls that took 9, 1, 3, 2 and 4 tenths of a millisecond per call: the median,
+    0.3 ms (not the fastest, the slowest, the mean or the last)."""
+    from bnb_mps.ops import timing
+
+    class Scripted:
+        name = "scripted"
+        per_call = iter([1e-4, 9e-4, 1e-4, 3e-4, 2e-4, 4e-4])  # (the first batch: one call, which sets n = 10)
+
+        def batch(self, call, n):
+            for _ in range(n):
+                call()
+            return n * next(self.per_call)
+
+    assert timing.seconds(lambda: None, Scripted()) == pytest.approx(3e-4, rel=1e-12)
 
 def test_an_empty_product_is_served_by_its_built_in_route_without_measuring():
     """No rows (or N or K of 0): nothing to time, nothing to choose; the built-in route serves."""
