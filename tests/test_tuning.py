@@ -706,7 +706,7 @@ def test_timing_reports_seconds_per_call():
     """Fault T12: timing reported the time of a batch of calls instead of one call. On a clock where
     each call takes 0.1 ms, batches of ten such calls make the 1 ms a batch lasts at least, and the
     time per call is 0.1 ms (time per batch would read ten times as much); on the host's clock a call
-    that takes 0.1 ms (a busy wait) is reported at about that."""
+    that takes 0.1 ms (a busy wait) is reported at no less than that."""
     import time
 
     from bnb_mps.executors import clocks
@@ -732,7 +732,7 @@ def test_timing_reports_seconds_per_call():
         while time.perf_counter() < end:
             pass
 
-    assert 0.9e-4 <= timing.seconds(busy, clocks.HostClock()) <= 3e-4
+    assert 1e-4 <= timing.seconds(busy, clocks.HostClock()) < 1e-2  # (a loaded machine may stretch it, never shorten it)
 
 
 
