@@ -143,6 +143,15 @@ FAULTS = [
     Fault("TM9", "bnb_mps/ops/tuning.py", 'return tier in GPU_TIERS and device.type == getattr(executor, "device_type", None)',
           "return tier in GPU_TIERS", (TUNING, "-k", "off_on_the_emulated"),
           "only the GPU tier's own device's calls are timed on its clock"),
+    # -- the model of torch's MPS runtime (bnb_mps/modelled_mps) ------------------------------------------------
+    Fault("MM1", "bnb_mps/modelled_mps/runtime.py", "            self.cpu_sync_completed = 1\n",
+          "            self.cpu_sync_completed += 1\n", (MODELLED, "-k", "deadlocks_where_torch_does"),
+          "torch 2.13/2.14's CPU sync flag is a bool (the double-listener deadlock)"),
+    Fault("MM2", "bnb_mps/modelled_mps/runtime.py", "            if not end.completion_ns > start.completion_ns:\n",
+          "            if False:\n", (MODELLED, "-k", "reverse"), "events recorded in reverse raise"),
+    Fault("MM3", "bnb_mps/modelled_mps/runtime.py",
+          "            if self.behaviour.public_streams and self.current_stream is not self.default_stream:\n",
+          "            if False:\n", (MODELLED, "-k", "another_stream"), "Event.record() off the default stream raises"),
     # -- candidates (bnb_mps/ops/candidates.py) ----------------------------------------------------------------
     Fault("C1", "bnb_mps/ops/candidates.py", "return name != \"gemm_4bit\" or args[2][1] % args[4] == 0",
           "return True", (TUNING, "-k", "tune_command_measures"),
