@@ -139,7 +139,7 @@ FAULTS = [
           "a timing event is never synchronized (torch 2.13/2.14 deadlock)"),
     Fault("TM8", "bnb_mps/ops/tuning.py", "    except Exception as e:  # noqa: BLE001  (first use must never fail the user's call)\n",
           "    except RuntimeError as e:  # noqa: BLE001  (first use must never fail the user's call)\n",
-          (MODELLED, "-k", "error_anywhere"), "whatever first use raises, the built-in route serves"),
+          (TUNING, "-k", "whatever_first_use_raises"), "whatever first use raises, the built-in route serves"),
     Fault("TM9", "bnb_mps/ops/tuning.py", 'return tier in GPU_TIERS and device.type == getattr(executor, "device_type", None)',
           "return tier in GPU_TIERS", (TUNING, "-k", "off_on_the_emulated"),
           "only the GPU tier's own device's calls are timed on its clock"),

@@ -227,14 +227,18 @@ def test_a_candidate_that_raises_is_dropped_with_its_error():
 
 
 def test_a_candidate_that_raises_while_timed_is_dropped_and_the_others_timed(monkeypatch):
-    """As above, on a real clock (the host's: the emulated kernels timed): a route's own error while it
-    is timed drops that route, never the measurement (that would be the clock's trouble, which keeps
-    nothing)."""
+    """As above, on a real clock (the host's: the emulated kernels timed), with a route that runs once
+    (the warm-up) and raises in a timed batch: a route's own error while it is timed drops that route,
+    never the measurement (which a clock's trouble, timing.TimingFailed, would: it keeps nothing)."""
 
     class Faulty(RecordingExecutor):
+        dequantized = 0
+
         def launch(self, kernel, *, grid, threadgroup, args):
             if kernel.startswith("bnb_dequantize_4bit_"):
-                raise RuntimeError(f"{kernel}: command buffer error")
+                self.dequantized += 1
+                if self.dequantized > 1:
+                    raise RuntimeError(f"{kernel}: command buffer error")
             super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
 
     monkeypatch.setenv(tuning.ENV_VAR, "1")
@@ -247,6 +251,29 @@ def test_a_candidate_that_raises_while_timed_is_dropped_and_the_others_timed(mon
     assert row["errors"] == {"dequantize+linear": "RuntimeError: bnb_dequantize_4bit_nf4_f32: command buffer error"}
     assert same_bits(got, gemm_by_hand(row["choice"], args))
 
+
+
+@pytest.mark.parametrize("error", [ValueError, OSError, MemoryError, KeyError])
+def test_whatever_first_use_raises_the_built_in_route_serves_and_nothing_is_kept(monkeypatch, error):
+    """Making the tuning inputs fails (any exception, not only torch's RuntimeError): the user's call is
+    served by its built-in route, nothing is kept in the table or the cache."""
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    real_init = candidates.Candidates.__init__
+
+    def failing_fresh(self, *a, **k):
+        real_init(self, *a, **k)
+
+        def fresh():
+            raise error("no memory for the tuning inputs")
+
+        self.fresh = fresh
+
+    monkeypatch.setattr(candidates.Candidates, "__init__", failing_fresh)
+    args = small_gemm()
+    with use_emulated_kernels() as kernels:
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    assert kernels.launched == ["bnb_gemm_4bit_batch_nested_f32"] and bnb_mps.tuning_table() == []
+    assert same_bits(got, gemm_by_hand("batch", args)) and not tuning.cache_path().exists()
 
 def test_switch_0_keeps_the_built_in_order_and_excluded_routes_are_no_candidates(monkeypatch):
     args = gemm_args(40)
