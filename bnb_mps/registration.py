@@ -93,10 +93,11 @@ def register(dispatch_key: str = "MPS", executor=None, names=None) -> list[str]:
     schema whose arguments differ from SCHEMAS is found on its first call and handed back to
     bitsandbytes then (`leave_to_bitsandbytes`); one bitsandbytes does not define is never called.
     """
-    if dispatch_key == "MPS":  # paged optimizers on mps (bnb_mps.paged; undone by unregister)
-        from . import paged
+    if dispatch_key == "MPS":  # paged optimizers and AdEMAMix8bit state loads on mps (undone by unregister)
+        from . import ademamix_layout, paged
 
         paged.install()
+        ademamix_layout.install()
     with _lock:
         if dispatch_key not in _libraries:
             wanted = [n for n in SCHEMAS if (names is None or n in names) and n not in _skipped]
@@ -200,9 +201,10 @@ def unregister(dispatch_key: str = "MPS") -> None:
         if lib is not None:
             lib._destroy()
     if dispatch_key == "MPS":
-        from . import paged
+        from . import ademamix_layout, paged
 
         paged.uninstall()
+        ademamix_layout.uninstall()
 
 
 def registered(dispatch_key: str = "MPS") -> list[str]:

@@ -5,9 +5,10 @@ operation (numpy rounds each float32 operation once, to nearest even); conversio
 by torch (round to nearest even). Inputs and outputs are torch CPU tensors.
 
 Where docs/semantics.md is silent, this module states what the kernels do, so that tests can pin it:
-- NaN elements are left out of the maxima (like fmaxf) and quantize to 0; an infinite element
-  makes its row's (column's) max infinite, and then quantizes to 0 (inf * fl32(127 / inf) = NaN);
-- a column whose max is 0 quantizes to 0s in CAt, as docs/semantics.md says for rows;
+- NaN elements are left out of the row maxima (like fmaxf) and quantize to 0; a NaN makes its
+  column's maximum NaN (torch's amax) and every code of that column 0; an infinite element makes its
+  row's (column's) max infinite, and then quantizes to 0 (inf * 0 and inf / inf are NaN);
+- a column whose max is 0 quantizes to 0s in CAt (0 / 0 is NaN), as docs/semantics.md says for rows;
 - a threshold is compared with |A| exactly (|A| >= threshold over the reals).
 
 Apple GPUs flush float32 subnormals (docs/semantics.md section 7). With `flush=True` (the default,
@@ -59,14 +60,28 @@ def _outlier_mask(a: np.ndarray, threshold: float) -> np.ndarray:
         return np.abs(a).astype(np.float64) >= threshold  # exact: float32 values, a float64 threshold
 
 
-def _quantize(a: np.ndarray, maxima: np.ndarray, axis: int, flush: bool | None = None) -> np.ndarray:
-    """round_half_even(a * fl32(127 / max)) clamped to [-127, 127]; NaN products give 0."""
-    z = _z(flush)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        scale = z(F32(127) / maxima.astype(F32))
-        v = z(a * (scale[:, None] if axis == 1 else scale[None, :]))
+def _round(v: np.ndarray) -> np.ndarray:
+    """round_half_even(v) clamped to [-127, 127]; NaN gives 0."""
+    with np.errstate(invalid="ignore"):
         q = np.clip(np.rint(v), -127, 127)
     return np.where(np.isnan(v), 0, q).astype(np.int8)
+
+
+def _quantize_rows(a: np.ndarray, maxima: np.ndarray, flush: bool | None = None) -> np.ndarray:
+    """round_half_even(a * fl32(127 * fl32(1 / max))) per row; fl32(127 / max) for max above 2^126."""
+    z = _z(flush)
+    m = maxima.astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scale = np.where(m > F32(2.0**126), z(F32(127) / m), z(F32(127) * z(F32(1) / m)))
+        return _round(z(a * scale[:, None]))
+
+
+def _quantize_columns(a: np.ndarray, maxima: np.ndarray, dtype: torch.dtype, flush: bool | None = None) -> np.ndarray:
+    """round_half_even(float(T(a * 127)) / max) per column, T = A's dtype: torch's `A.mul(127.0) / col_stats`."""
+    z = _z(flush)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        times127 = torch.from_numpy(z(a * F32(127))).to(dtype).float().numpy()
+        return _round(z(times127 / maxima.astype(F32)[None, :]))
 
 
 def _kept_abs(a: np.ndarray, outliers: np.ndarray) -> np.ndarray:
@@ -86,7 +101,7 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0, flush: bool |
     a = _as_rows(A, flush)
     outliers = _outlier_mask(a, threshold)
     row_stats = _max(_kept_abs(a, outliers), axis=1)
-    q = _quantize(a, row_stats, axis=1, flush=flush)
+    q = _quantize_rows(a, row_stats, flush=flush)
     q[outliers] = 0
     cols = None
     if threshold > 0.0:
@@ -102,9 +117,12 @@ def int8_double_quant(A: torch.Tensor, threshold: float = 0.0, flush: bool | Non
     CA, row_stats, cols = int8_vectorwise_quant(A, threshold, flush)
     a = _as_rows(A, flush)
     outliers = _outlier_mask(a, threshold)
-    col_stats = _max(_kept_abs(a, outliers), axis=0)
+    absa = np.where(outliers, F32(0), np.abs(a)).astype(F32)  # NaN kept: a NaN column's maximum is NaN
+    col_stats = np.full(a.shape[1], np.nan, dtype=F32)
+    has_nan = np.isnan(absa).any(axis=0)
+    col_stats[~has_nan] = _max(absa[:, ~has_nan], axis=0)
     masked = np.where(outliers, F32(0), a).astype(F32)
-    qt = _quantize(masked, col_stats, axis=0, flush=flush)
+    qt = _quantize_columns(masked, col_stats, A.dtype, flush=flush)
     return CA, torch.from_numpy(qt).reshape(A.shape), row_stats, torch.from_numpy(col_stats), cols
 
 

@@ -200,11 +200,36 @@ def ulp(x, dtype: torch.dtype) -> np.ndarray:
     return np.exp2(e - mant)
 
 
-def fp32_ulps(K: int) -> float:
-    """The float32 error allowed per output element, in ulps of its magnitude S = sum |a*w|: 4 ulps
-    up to K = 1024 terms, growing like sqrt(K) beyond (the typical growth of rounding error in a
-    float32 sum of K terms; the worst case grows like K)."""
-    return 4.0 * max(1.0, math.sqrt(K / 1024))
+#: The unit of docs/semantics.md section 4's float32 accuracy: 2^-24 * S, S = sum |a*w| (+ |bias|).
+UNIT = 2.0**-24
+
+
+def fp32_units(K: int) -> float:
+    """docs/semantics.md section 4's float32 accuracy target: |y - y64| per output element, in units of
+    2^-24 * S against the exact (float64) product of the same weights, on any data: 5 units up to
+    K = 4096 terms, growing like sqrt(K) beyond (the typical growth of the kernels' rounding error when
+    every term has the same sign; worst_case_units is the bound that holds for every input)."""
+    return 5.0 * max(1.0, math.sqrt(K / 4096))
+
+
+#: docs/semantics.md section 4, on data whose terms have random signs (as real activations and weights
+#: do): the kernels stay below 1 unit; this is the bound the tests hold them to there.
+SIGNED_UNITS = 1.5
+
+
+def worst_case_units(path: str, K: int) -> float:
+    """The bound every input satisfies (docs/semantics.md section 4): D * u / (1 - D * u) in units of
+    2^-24 * S (u = 2^-24, Higham's gamma_D), D the most roundings any term undergoes on its way into the
+    sum, by the kernel's order of summation (csrc/kernels/gemm_4bit.h, "Accumulation"), one more for a bias:
+    - gemv (and its threadgroup-table variant): 8 fused multiply-adds in a chunk's partial sum, 2 pairwise
+      levels, ceil(K / 1024) - 1 additions over the lane's steps, 5 butterfly levels over the lanes;
+    - batch: 4, 2, ceil(K / 512) - 1, 5;
+    - mma: 32 fused multiply-adds in a K step's tile, 7 additions in a group of 8 steps,
+      ceil(K / 256) - 1 additions of the groups."""
+    steps = {"gemv": 1024, "gemv/tglut": 1024, "batch": 512, "mma": 256}[path]
+    inner = {"gemv": 8 + 2 + 5, "gemv/tglut": 8 + 2 + 5, "batch": 4 + 2 + 5, "mma": 32 + 7}[path]
+    D = inner + max(0, math.ceil(K / steps) - 1) + 1
+    return D / (1 - D * UNIT)
 
 
 #: outputs with at least this many elements are also compared in aggregate with the
@@ -227,9 +252,8 @@ def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, l
     W is the float32 dequantized weight; the product is taken with it in A's dtype (`in_dtype`), as
     the kernels take it, and y64 below is that product in float64.
 
-    - float32: |y - linear32| <= fp32_ulps(K) ulps of S per element, where linear32 is torch's
-      float32 `linear(A, W)` of the same dequantized weight (and bias).
-    - float16 / bfloat16, per element: |y - y64| <= 0.5 ulp_T(y64) + fp32_ulps(K) float32 ulps of S
+    - float32: |y - y64| <= fp32_units(K) * 2^-24 * S per element.
+    - float16 / bfloat16, per element: |y - y64| <= 0.5 ulp_T(y64) + fp32_units(K) * 2^-24 * S
       (rounded once to T, up to float32 accumulation error); and, for outputs of at least
       AGGREGATE_MIN elements, max and mean |y - y64| no larger than those of the
       dequantize-then-linear path in T (slack: one float32 ulp of max S on the max, 1% on the mean).
@@ -255,18 +279,17 @@ def check_accuracy(y: torch.Tensor, A: torch.Tensor, W: np.ndarray, bias=None, l
     assert ((got[inf] == want[inf]) | (np.isnan(got[inf]) & np.isnan(want[inf]))).all(), "non-finite outputs differ"
     if inf.any():
         got, want, S, slack = (np.where(inf, 0.0, x) for x in (got, want, S, slack))
-    # (float32: always the CPU's IEEE linear, the reference the target names)
-    lin = as_f64(dequantize_then_linear(A, W, bias, "cpu" if y.dtype == torch.float32 else linear_device))
     if got.size == 0:
         return {}
-    tol = fp32_ulps(K)
-    if y.dtype == torch.float32:
-        err = np.maximum(np.abs(got - lin) - slack, 0) / ulp32(S)
-        assert err.max() <= tol, f"float32 error {err.max():.2f} ulps of S > {tol:.2f}"
-        vs_f64 = np.abs(got - want) / ulp32(S)
-        return {"ulps_of_S_vs_linear32": float(err.max()), "ulps_of_S_vs_f64": float(vs_f64.max())}
+    tol = fp32_units(K) * UNIT * S
     e = np.abs(got - want)
-    bound = 0.5 * ulp(np.maximum(np.abs(want), np.abs(got)), y.dtype) + tol * ulp32(S) + slack
+    if y.dtype == torch.float32:
+        bad = e > tol + slack
+        units = np.maximum(e - slack, 0) / np.maximum(UNIT * S, 2.0**-149)
+        assert not bad.any(), f"float32 error {units.max():.2f} units of 2^-24 * S > {fp32_units(K):.2f}"
+        return {"units_vs_f64": float(units.max())}
+    lin = as_f64(dequantize_then_linear(A, W, bias, linear_device))
+    bound = 0.5 * ulp(np.maximum(np.abs(want), np.abs(got)), y.dtype) + tol + slack
     bad = e > bound
     assert not bad.any(), f"{int(bad.sum())} elements off by more than half an ulp (max excess {(e - bound).max():.3g})"
     e_lin = np.abs(lin - want)

@@ -14,7 +14,8 @@ Readings of docs/semantics.md where it leaves room (the kernels follow the same 
 - Re-quantization: docs/semantics.md section 2's index of fl32(x * fl32(1 / absmax)) (an all-zero block gives
   index 0), then, for state1 (the signed states: m and AdEMAMix's m2), the sign fix on the sign
   bits, stepping modulo 256. So +0.0 in an all-zero block is stored as 255 (code[0] is negative,
-  +0.0 is not, and 0 - 1 wraps), exactly as CUDA's kernel does; -0.0 stays at 0.
+  +0.0 is not, and 0 - 1 wraps), exactly as CUDA's kernel does; -0.0 stays at 0. A NaN counts as
+  positive whatever its sign bit (CUDA's arithmetic only makes the NaN 0x7fffffff): it is stored as 255.
 - The update norm sums u^2 over the elements that are updated (a skipped zero gradient adds 0);
   u is the update before the learning rate for every optimizer (lion: sign(...); ademamix:
   (m/bc1 + alpha*m2) / (sqrt(v)/bc2 + eps)). The clipped step uses fl32(lr * scale); the
@@ -172,7 +173,7 @@ def requantize(x: np.ndarray, qmap: np.ndarray, signed: bool):
     s = sref.scaled_values(x, absmax, BLOCK)
     q = sref.index_8bit(s, qmap).astype(np.int64)
     if signed:
-        fix = np.signbit(qmap[q]) != np.signbit(x)
+        fix = np.signbit(qmap[q]) != (np.signbit(x) & ~np.isnan(x))  # a NaN counts as positive (CUDA's NaN)
         q = np.where(fix, np.where(x > 0, q + 1, q - 1) % 256, q)
     return q.astype(np.uint8), absmax, s
 

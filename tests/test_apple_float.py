@@ -326,3 +326,21 @@ def test_4bit_matmul_huge_blocks_and_subnormal_activations(dtype, nested):
             if not nested:
                 with pytest.raises(AssertionError):
                     R.check_accuracy(y, A, R.dequantized_weight(*weight, flush=False), flush=False)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_int8_rows_with_maxima_above_2_126_keep_their_codes(dtype):
+    """An int8 row whose maximum lies above 2^126: 1 / max would be a float32 subnormal (0 on an Apple
+    GPU), so the row scale is fl32(127 / max) there (docs/semantics.md section 6), and the row keeps
+    its codes: the maximum at +-127, the rest spread, as reference_int8 (IEEE, no flush) gives."""
+    import reference_int8 as R8
+
+    A = huge_blocks(6, 64, dtype, seed=7).reshape(6, 64)
+    with use_emulated_kernels():
+        CA, stats, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(A, 0.0)
+        CA2, CAt, stats2, col_stats, _ = torch.ops.bitsandbytes.int8_double_quant(A, 0.0)
+    want = R8.int8_vectorwise_quant(A, 0.0, flush=False)
+    assert_same_bits((CA, stats), want[:2], "row codes and statistics")
+    assert torch.equal(CA.abs().amax(1), torch.full((6,), 127, dtype=torch.int8))
+    want_dq = R8.int8_double_quant(A, 0.0, flush=False)
+    assert_same_bits((CA2, CAt, col_stats), (want[0], want_dq[1], want_dq[3]), "double quant")

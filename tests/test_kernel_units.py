@@ -293,6 +293,7 @@ def emulated_native_module():
 
 def shader_stand_in(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: None)  # (the stand-in's launches are done when they return)
     monkeypatch.setattr(torch.mps, "compile_shader", EmulatedShaderLibrary)
     ex = shader.load()  # one unit does not compile: the tier loads
     ex.__class__ = CpuShaderExecutor
@@ -300,6 +301,7 @@ def shader_stand_in(monkeypatch):
 
 
 def native_stand_in(monkeypatch):
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: None)  # (the stand-in's launches are done when they return)
     return native.NativeExecutor(native._open_library(emulated_native_module()))
 
 

@@ -58,7 +58,8 @@ def test_plain_import_of_bitsandbytes_registers_every_schema():
 
 def test_entry_point_is_silent_and_cheap_on_linux():
     """Same output with and without bnb_mps' entry point, which loads only the registration
-    module and the paged-optimizer hook (the op layer, executors and emulator load on first use). Its time is printed by the
+    module and its hooks (paged optimizers, AdEMAMix8bit state loads; the op layer, executors and emulator load on
+    first use). Its time is printed by the
     test for information, not asserted (timings belong in benchmarks)."""
     code = """
         import importlib.metadata as md, time, sys
@@ -92,8 +93,10 @@ def test_entry_point_is_silent_and_cheap_on_linux():
     assert cost_ms > 0  # the entry point ran
     print(f"bnb_mps entry point: {cost_ms:.2f} ms")
     loaded = with_ep.stdout.split("LOADED")[1].strip()
-    # the registration, and the paged-optimizer hook it installs (a few wrapped functions); the version (a constant)
-    assert loaded == "['bnb_mps', 'bnb_mps._version', 'bnb_mps.paged', 'bnb_mps.registration']", loaded
+    # the registration, and the hooks it installs (the paged-optimizer functions, AdEMAMix8bit's state
+    # load: a few wrapped functions); the version (a constant)
+    want = "['bnb_mps', 'bnb_mps._version', 'bnb_mps.ademamix_layout', 'bnb_mps.paged', 'bnb_mps.registration']"
+    assert loaded == want, loaded
 
 
 def test_registered_in_this_process():

@@ -436,8 +436,10 @@ def int8_double_quant_cpu(A: torch.Tensor, threshold: float = 0.0):
 
     Rows come from `int8_vectorwise_quant` (outlier columns zeroed); columns are scaled by their
     absmax over non-outlier elements (|A| >= threshold are outliers when threshold > 0), with
-    outliers zeroed before rounding half to even: CAt = round(float(A) * fl32(127 / col_stats)),
-    as docs/semantics.md section 6 (and the kernels) compute it; a column whose maximum is 0 gives 0.
+    outliers zeroed before rounding half to even, in A's dtype as that backend computes them:
+    col_stats = amax(|A|) (NaN propagates), CAt = round(float(T(A * 127)) / col_stats)
+    (docs/semantics.md section 6, and the kernels); NaN codes (0 / 0, a NaN column) are 0, an infinite
+    quotient (A * 127 beyond T's range) is clamped to +-127.
     """
     quant_row, row_stats, outlier_cols = torch.ops.bitsandbytes.int8_vectorwise_quant.default(A, threshold)
     absA = A.abs().reshape(-1, A.shape[-1])
@@ -448,6 +450,6 @@ def int8_double_quant_cpu(A: torch.Tensor, threshold: float = 0.0):
     col_stats = absA.amax(dim=0).float()
     if outliers is not None:
         A = A.masked_fill(outliers.reshape(A.shape), 0.0)
-    scaled = A.reshape(-1, A.shape[-1]).float() * (127.0 / col_stats).unsqueeze(0)
+    scaled = A.reshape(-1, A.shape[-1]).mul(127.0) / col_stats.unsqueeze(0)  # T(A * 127), then float32
     quant_col = torch.round(scaled).nan_to_num(0.0).clamp(-127, 127).to(torch.int8).reshape(A.shape)
     return quant_row, quant_col, row_stats, col_stats, outlier_cols

@@ -87,6 +87,12 @@ def optimizer_update_32bit(
                    eps=eps, weight_decay=weight_decay, lr=lr, gnorm_scale=gnorm_scale)  # fmt: skip
     n1 = _common(op, optimizer_name, g, p, step, numbers)
     v.tensor(op, "state1", state1, dtypes=v.FLOATS)
+    if optimizer_name == "ademamix" and state1.numel() == p.numel() != n1:
+        raise ValueError(
+            f"{op}: optimizer 'ademamix' keeps the fast and the slow EMA in state1, which must have 2n = {n1} "
+            f"elements, got n = {state1.numel()} (shape {tuple(state1.shape)}). bitsandbytes' AdEMAMix32bit class "
+            f"allocates state1 with n elements while its 32-bit kernel reads 2n (on CUDA it reads past the end); "
+            f"use bitsandbytes.optim.AdEMAMix(params, optim_bits=32) instead, which allocates [2, *p.shape]")
     v.numel(op, "state1", state1, n1)
     two = _needs_state2(op, optimizer_name, state2)
     if two:

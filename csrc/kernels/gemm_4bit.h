@@ -15,7 +15,7 @@
 //                        128-bit load and that chunk's block scale once (a chunk never spans two
 //                        blocks, so even at blocksize 32 no two lanes load the same scale), and
 //                        dequantizes the 32 weights with it (see "Rounding" below); one
-//                        simd_sum per row at the end; no threadgroup barrier (the
+//                        sum over the lanes per row at the end; no threadgroup barrier (the
 //                        threadgroup-table variant has one, before the loop). Needs K % 32 == 0.
 //   bnb_gemm_4bit_batch  2 <= M <= 8 (small batch), and M = 1 when K % 32 != 0. The same weight
 //                        walk with 8-byte (16-nibble) chunks, 4 simdgroups x 2 rows per
@@ -26,7 +26,7 @@
 //                        (A rows x W rows) per threadgroup of 4 simdgroups, K in steps of 32:
 //                        the A tile and the dequantized W tile are staged in threadgroup memory
 //                        as float, each simdgroup multiplies a 16x32 part with simdgroup_matrix
-//                        8x8 float tiles (fp32 accumulation), the result goes through
+//                        8x8 float tiles (float32 sums, see "Accumulation"), the result goes through
 //                        threadgroup memory to add bias, round and store with bounds checks.
 //
 // Why a chunk of C nibbles (C = 32 gemv, 16 batch) can carry one scale: with K % C == 0 a chunk
@@ -45,6 +45,32 @@
 // indexed per-thread table is needed); factoring the scale out of a chunk's sum
 // (scale * sum(a * table[q])) would round differently, and lose a * table[q] where it is a float32
 // subnormal while a * w is not. The mma kernel stages the same w in threadgroup memory.
+//
+// Accumulation: every output element is a float32 sum of K terms, formed as short independent
+// partial sums combined in a tree, never as one running sum over K (whose rounding error grows with
+// every term; docs/semantics.md section 4 states the bound, measured against CUDA's):
+//   gemv, batch  a lane's chunk of C weights per row is summed as four partial sums of C / 4 fused
+//                multiply-adds (element j into sum j % 4), combined pairwise ((d0 + d1) + (d2 + d3));
+//                the chunk sums of a lane's K steps are added to one running sum per row (K / 1024
+//                of them in gemv, K / 512 in batch), and the 32 lanes' sums are combined by a
+//                five-level butterfly of simd_shuffle_xor (bnb_mm_lane_sum), a fixed pairwise order
+//                that every lane gets bit for bit (simd_sum's order is unspecified).
+//   mma          each K step (BK = 32) multiplies into fresh tiles (simdgroup_multiply, then
+//                simdgroup_multiply_accumulate: a chain of 32 fused multiply-adds per element, as
+//                Apple GPUs compute these products); the step's tiles are added elementwise
+//                (thread_elements) to group tiles, which sum BNB_MMA_GROUP = 8 steps (256 terms),
+//                and each finished group is added to the running sums, which therefore take one
+//                addition per 256 terms of K. Registers: three sets of 8 tiles (2 floats per thread
+//                each) instead of one; no more threadgroup memory, barriers or memory traffic.
+// A term therefore goes through at most 14 + ceil(K / 1024) roundings in gemv, 10 + ceil(K / 512) in
+// batch and 38 + ceil(K / 256) in mma, one more with a bias (one running sum over K: K roundings).
+// Cost, under the emulator's cost model (Library.profile): memory traffic, SIMD transactions,
+// threadgroup memory and barriers unchanged (tests/kernel_traffic.md); SIMD-group collectives per
+// row 5 shuffles instead of one simd_sum (gemv, batch: 640 instead of 128 for 128 rows at M = 1).
+// Arithmetic: gemv and batch one fused multiply-add per term (before: a multiply and an add) and
+// 3 additions per chunk; mma 2 additions per thread and tile per K step (+ 2 per group) next to
+// 64 fused multiply-adds per thread and tile, about 3.5% more; registers for the mma tiles:
+// 60 floats per thread instead of 28 (acc, group and part: 16 each; the operands 12).
 //
 // Memory access (coalescing): in the gemv kernel lane l of a simdgroup reads bytes
 // [16l, 16l + 16) of a 512-byte run of one weight row per step, so the 32 lanes' loads of a row
@@ -97,6 +123,7 @@
 #define BNB_MMA_BN 64u   // rows of W (output columns) per threadgroup
 #define BNB_MMA_BK 32u   // K per step
 #define BNB_MMA_THREADS 128u
+#define BNB_MMA_GROUP 8u  // K steps per group of the two-level running sums (256 terms)
 
 inline constant float* bnb_mm_table(constant float* code, uint table) {
     return table == BNB_TABLE_NF4 ? bnb_nf4_table : (table == BNB_TABLE_FP4 ? bnb_fp4_table : code);
@@ -154,30 +181,36 @@ inline float bnb_mm_weight(float t, float s) {
     return float(T(t * s));
 }
 
-// sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = bnb_mm_weight<T>(table[nibble j], s);
-// two variants for the table's address space.
+// (d[0] + d[1]) + (d[2] + d[3]): four partial sums combined pairwise.
+inline float bnb_mm_sum4(thread const float* d) {
+    return (d[0] + d[1]) + (d[2] + d[3]);
+}
+
+// sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = bnb_mm_weight<T>(table[nibble j], s):
+// four partial sums (element j goes to sum j % 4, C / 4 fused multiply-adds each), combined pairwise
+// (see "Accumulation" above); two variants for the table's address space.
 template <typename T, uint C>
 inline float bnb_mm_dot_c(thread const uint* w, thread const float* x, constant float* lut, float s) {
-    float d = 0.0f;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
-        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
-        d += x[2u * j] * hi + x[2u * j + 1u] * lo;
+        const uint q = 2u * (j & 1u);
+        d[q] = fma(x[2u * j], bnb_mm_weight<T>(lut[b >> 4], s), d[q]);
+        d[q + 1u] = fma(x[2u * j + 1u], bnb_mm_weight<T>(lut[b & 15u], s), d[q + 1u]);
     }
-    return d;
+    return bnb_mm_sum4(d);
 }
 
 template <typename T, uint C>
 inline float bnb_mm_dot_tg(thread const uint* w, thread const float* x, threadgroup const float* lut, float s) {
-    float d = 0.0f;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
-        const float hi = bnb_mm_weight<T>(lut[b >> 4], s);
-        const float lo = bnb_mm_weight<T>(lut[b & 15u], s);
-        d += x[2u * j] * hi + x[2u * j + 1u] * lo;
+        const uint q = 2u * (j & 1u);
+        d[q] = fma(x[2u * j], bnb_mm_weight<T>(lut[b >> 4], s), d[q]);
+        d[q + 1u] = fma(x[2u * j + 1u], bnb_mm_weight<T>(lut[b & 15u], s), d[q + 1u]);
     }
-    return d;
+    return bnb_mm_sum4(d);
 }
 
 // t[j] = bnb_mm_weight<T>(table[nibble j], s) of a chunk: its dequantized weights.
@@ -205,6 +238,16 @@ inline void bnb_mm_load(device const T* a, bool vec_ok, thread float* x) {
             x[j] = float(a[j]);
         }
     }
+}
+
+// The sum of v over the 32 lanes of a simdgroup, every lane getting the same bits: five levels of a
+// butterfly (lanes l and l ^ d add each other's partial sums; float addition commutes), i.e. pairwise
+// summation in a fixed order. simd_sum's order is not specified by Metal.
+inline float bnb_mm_lane_sum(float v) {
+    for (ushort d = 16; d > 0; d >>= 1) {
+        v += simd_shuffle_xor(v, d);
+    }
+    return v;
 }
 
 // y[m, n] = T(v (+ bias[n])).
@@ -279,7 +322,7 @@ template <typename T, bool NESTED, bool TG_TABLE>
         }
     }
     for (uint r = 0; r < R; ++r) {
-        const float v = simd_sum(acc[r]);
+        const float v = bnb_mm_lane_sum(acc[r]);
         if (lane == 0u && row0 + r < N) {
             bnb_mm_store(out, bias, flags, m, row0 + r, N, v);
         }
@@ -346,11 +389,11 @@ template <typename T, bool NESTED>
                 float x[C];
                 bnb_mm_load<C>(A + (m0 + i) * lda + k, vec_ok, x);
                 for (uint r = 0; r < R; ++r) {
-                    float d = 0.0f;
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     for (uint j = 0; j < C; ++j) {
-                        d += x[j] * t[r][j];
+                        d[j & 3u] = fma(x[j], t[r][j], d[j & 3u]);
                     }
-                    acc[i][r] += d;
+                    acc[i][r] += bnb_mm_sum4(d);
                 }
             }
         }
@@ -358,7 +401,7 @@ template <typename T, bool NESTED>
     for (uint i = 0; i < MT; ++i) {
         if (i < mcount) {  // uniform over the threadgroup
             for (uint r = 0; r < R; ++r) {
-                const float v = simd_sum(acc[i][r]);
+                const float v = bnb_mm_lane_sum(acc[i][r]);
                 if (lane == 0u && row0 + r < N) {
                     bnb_mm_store(out, bias, flags, m0 + i, row0 + r, N, v);
                 }
@@ -468,10 +511,14 @@ template <typename T, bool NESTED>
     const uint ar = tid >> 2, ac = (tid & 3u) * 8u;
     const uint wr = tid >> 1, wc = (tid & 1u) * 16u;
 
+    // Running sums on two levels (see "Accumulation" above): `group` adds up the steps of a group of
+    // BNB_MMA_GROUP K steps, `acc` the groups.
     simdgroup_float8x8 acc[2][4];
+    simdgroup_float8x8 group[2][4];
     for (uint i = 0; i < 2u; ++i) {
         for (uint j = 0; j < 4u; ++j) {
             acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            group[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         }
     }
     for (uint k0 = 0; k0 < K; k0 += BK) {
@@ -486,6 +533,9 @@ template <typename T, bool NESTED>
             smem[WS + (wc + j) * BN + wr] = v[j];
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
+        // This step's BK terms in fresh tiles (a chain of BK fused multiply-adds per element), then
+        // added to the running sums (see "Accumulation" above).
+        simdgroup_float8x8 part[2][4];
         for (uint kk = 0; kk < BK; kk += 8u) {
             simdgroup_float8x8 a[2];
             simdgroup_float8x8 b[4];
@@ -497,7 +547,24 @@ template <typename T, bool NESTED>
             }
             for (uint i = 0; i < 2u; ++i) {
                 for (uint j = 0; j < 4u; ++j) {
-                    simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+                    if (kk == 0u) {
+                        simdgroup_multiply(part[i][j], a[i], b[j]);
+                    } else {
+                        simdgroup_multiply_accumulate(part[i][j], a[i], b[j], part[i][j]);
+                    }
+                }
+            }
+        }
+        // (thread_elements: this thread's two elements of a tile, the same two of every tile)
+        const bool group_end = (k0 / BK + 1u) % BNB_MMA_GROUP == 0u || k0 + BK >= K;  // uniform
+        for (uint i = 0; i < 2u; ++i) {
+            for (uint j = 0; j < 4u; ++j) {
+                thread float2& g = group[i][j].thread_elements();
+                g = g + part[i][j].thread_elements();
+                if (group_end) {
+                    thread float2& sum = acc[i][j].thread_elements();
+                    sum = sum + g;
+                    g = float2(0.0f);
                 }
             }
         }

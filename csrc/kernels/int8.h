@@ -26,11 +26,38 @@ inline int bnb_int8_round(float v) {
     return int(metal::precise::clamp(metal::precise::rint(v), -127.0f, 127.0f));
 }
 
-// fl32(127 / max), IEEE-exact whatever the fast-math setting; max is a non-negative float given
-// by its bit pattern (inf gives 0). A max of 0 (a row of zeros) gives 0 instead of inf: its codes
-// are then 0 from 0 * 0, not from 0 * inf = NaN, which fast math need not keep.
+// A row's scale fl32(127 * fl32(1 / max)) (docs/semantics.md section 6: CUDA's row kernel scales by
+// __fdividef(127, max), 127 times an approximate reciprocal; this is that product with the IEEE
+// reciprocal), and fl32(127 / max) for max above 2^126, where 1 / max would be a float32 subnormal
+// (flushed on Apple GPUs); max is a non-negative float given by its bit pattern (inf gives 0). A max
+// of 0 (a row of zeros) gives 0 instead of inf: its codes are then 0 from 0 * 0, not from
+// 0 * inf = NaN, which fast math need not keep.
 inline float bnb_int8_scale(uint max_bits) {
-    return max_bits == 0u ? 0.0f : metal::precise::divide(127.0f, as_type<float>(max_bits));
+    const float m = as_type<float>(max_bits);
+    if (max_bits == 0u) {
+        return 0.0f;
+    }
+    return max_bits > 0x7e800000u ? metal::precise::divide(127.0f, m) : 127.0f * metal::precise::divide(1.0f, m);
+}
+
+// A column's maximum as bit pattern: |x| with NaN kept (as the canonical quiet NaN, whose pattern is
+// above every number's, so that an integer max propagates it as torch's amax does) and float32
+// subnormals as 0.
+inline uint bnb_int8_col_bits(float x) {
+    return bnb_is_nan(x) ? 0x7fc00000u : bnb_abs_bits(x);
+}
+
+// A column code of int8_double_quant, as bitsandbytes' CUDA backend computes it with torch ops in
+// A's dtype T: round_half_even(float(T(x * 127)) / col_max), IEEE division. NaN (a NaN x, a NaN
+// column, 0 / 0) gives 0; an infinite quotient (x * 127 beyond T's range) is clamped to +-127. A zero,
+// float32-subnormal (a zero on Apple GPUs, docs/semantics.md section 7) or NaN x gives 0 whatever the
+// column's maximum, decided on the bit pattern.
+template <typename T>
+inline int bnb_int8_col_code(float x, float col_max) {
+    if (bnb_abs_bits(x) == 0u) {
+        return 0;
+    }
+    return bnb_int8_round(metal::precise::divide(float(T(x * 127.0f)), col_max));
 }
 
 // |x| >= threshold for outlier detection. `threshold_bits` is the bit pattern of the smallest
@@ -92,7 +119,7 @@ inline uint bnb_int8_threadgroup_max(uint bits, uint lane, uint sg, uint simds, 
 }
 
 // One row of int8_vectorwise_quant, by the whole threadgroup: row_stats[row] = max |A| over the
-// row's non-outliers; CA = round_half_even(A * fl32(127 / max)) clamped, outliers 0. With
+// row's non-outliers; CA = round_half_even(A * bnb_int8_scale(max)) clamped, outliers 0. With
 // OUTLIERS, outlier columns are flagged in `flags` (zeroing the other rows of those columns is
 // left to bnb_int8_outlier_finish, which runs once every row is done).
 template <typename T, bool OUTLIERS>
@@ -234,9 +261,10 @@ template <typename T>
 }
 
 // int8_double_quant, pass 1 (statistics): threadgroup g covers rows 32g .. 32g + 31 and every
-// column. Row maxima over non-outliers are complete within the threadgroup and written directly;
-// column maxima are partial (32 rows) and meet in col_stats through atomic max on the float bit
-// patterns (non-negative floats order like their bits), so col_stats must start at 0.
+// column. Row maxima over non-outliers (NaN ignored) are complete within the threadgroup and written
+// directly; column maxima (NaN propagated) are partial (32 rows) and meet in col_stats through atomic
+// max on the float bit patterns (non-negative floats order like their bits), so col_stats must start
+// at 0.
 template <typename T, bool OUTLIERS>
 inline void bnb_int8_stats_rows(device const T* A, device float* row_stats, device atomic_uint* col_bits,
                                 device atomic_uint* flags, uint rows, uint cols, uint threshold_bits, uint tg,
@@ -257,9 +285,8 @@ inline void bnb_int8_stats_rows(device const T* A, device float* row_stats, devi
                 if (OUTLIERS && bnb_int8_is_outlier(x[k], threshold_bits)) {
                     bnb_int8_flag_column(flags, 4u * j + k);
                 } else {
-                    const uint b = bnb_abs_bits(x[k]);
-                    rmax[r] = max(rmax[r], b);
-                    cmax[k] = max(cmax[k], b);
+                    rmax[r] = max(rmax[r], bnb_abs_bits(x[k]));
+                    cmax[k] = max(cmax[k], bnb_int8_col_bits(x[k]));
                 }
             }
         }
@@ -322,9 +349,9 @@ template <typename T>
 }
 
 // int8_double_quant, pass 2 (apply), element-wise: thread (x, row) takes columns 4x .. 4x + 3.
-//   CA  = round(A * fl32(127 / row_stats[row])), 0 for outliers and (zero_cols != 0) for every
+//   CA  = round(A * bnb_int8_scale(row_stats[row])), 0 for outliers and (zero_cols != 0) for every
 //         element of a flagged column;
-//   CAt = round(A * fl32(127 / col_stats[col])), 0 for outliers.
+//   CAt = bnb_int8_col_code<T>(A, col_stats[col]), 0 for outliers.
 // Without OUTLIERS, flags / threshold_bits / zero_cols are not read.
 template <typename T, bool OUTLIERS>
 inline void bnb_int8_apply_chunk(device const T* A, device const float* row_stats, device const float* col_stats,
@@ -339,7 +366,7 @@ inline void bnb_int8_apply_chunk(device const T* A, device const float* row_stat
         const bool out = OUTLIERS && bnb_int8_is_outlier(x[k], threshold_bits);
         const bool flagged = OUTLIERS && zero_cols != 0u && ((flags[col >> 5] >> (col & 31u)) & 1u) != 0u;
         q[k] = out || flagged ? 0 : bnb_int8_round(x[k] * rscale);
-        qt[k] = out ? 0 : bnb_int8_round(x[k] * bnb_int8_scale(as_type<uint>(col_stats[col])));
+        qt[k] = out ? 0 : bnb_int8_col_code<T>(x[k], col_stats[col]);
     }
     bnb_int8_store4(CA + row * cols, c, cols, aligned4, q);
     bnb_int8_store4(CAt + row * cols, c, cols, aligned4, qt);

@@ -205,13 +205,16 @@ inline void bnb_optim_store_codes8(device uchar* dst, uint idx, uint n, bool vec
 // (bnb_abs_bits of the absmax): the nearest code of fl32(x * fl32(1 / absmax)), ties to the even
 // index, NaN to 0. A block whose absmax is 0 gives index 0 directly (no 0 * inf).
 // With `signed_state`, then the sign fix (docs/semantics.md 5.1 step 4): when the sign bit of code[q] differs
-// from the sign bit of x, q steps one toward x's sign (q + 1 if x > 0, else q - 1, modulo 256).
+// from the sign bit of x, q steps one toward x's sign (q + 1 if x > 0, else q - 1, modulo 256). A NaN x
+// counts as positive whatever its sign bit (CUDA's arithmetic gives the NaN 0x7fffffff): its index 0 then
+// becomes 255, as on CUDA.
 inline void bnb_optim_requantize8(thread const float* x, uint amax_bits, threadgroup const float* code,
                                   threadgroup const float* thresholds, bool signed_state, thread uint* q) {
     const bnb_recip rc = bnb_block_recip(amax_bits);
     for (uint k = 0; k < 8u; ++k) {
         uint c = amax_bits == 0u ? 0u : bnb_code_index(bnb_scaled(x[k], rc), thresholds);
-        if (signed_state && (as_type<uint>(code[c]) >> 31) != (as_type<uint>(x[k]) >> 31)) {
+        const uint x_sign = bnb_is_nan(x[k]) ? 0u : as_type<uint>(x[k]) >> 31;
+        if (signed_state && (as_type<uint>(code[c]) >> 31) != x_sign) {
             c = (bnb_is_positive(x[k]) ? c + 1u : c - 1u) & 0xffu;
         }
         q[k] = c;

@@ -311,3 +311,35 @@ def test_empty_grid_is_a_noop(lib):
     x = torch.ones(4)
     lib.launch("scale_by_f32", grid=0, threadgroup=32, args=[x, float32(3.0)])
     assert torch.equal(x, torch.ones(4))
+
+
+def test_simdgroup_matrix_fused_multiply_add_and_thread_elements(lib):
+    # A fused multiply-add rounds a * b + c once: with a = b = 1 + 2^-12 and c = -1, a * b = 1 + 2^-11
+    # + 2^-24 exactly, and fma gives 2^-11 + 2^-24, where a rounded product (a tie, to even: 1 + 2^-11)
+    # would give 2^-11. Element (0, 0) takes that path at k = 0 and then adds seven exact zeros.
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-4, 4, (8, 8), generator=g).float()
+    b = torch.randint(-4, 4, (8, 8), generator=g).float()
+    c = torch.randint(-4, 4, (8, 8), generator=g).float()
+    a[0] = 0
+    b[:, 0] = 0
+    a[0, 0] = b[0, 0] = 1 + 2.0**-12
+    c[0, 0] = -1
+    a64, b64, c64 = a.double(), b.double(), c.double()
+
+    def check(args):
+        fused, sums, prod = (x.view(8, 8).double() for x in args[3:])
+        want = a64 @ b64 + c64  # small integers elsewhere: exact in every order
+        assert fused[0, 0].item() == 2.0**-11 + 2.0**-24  # one rounding (exact here), not two
+        assert torch.equal(fused, want)
+        want_sums = a64 @ b64 + 2 * c64
+        want_sums[0, 0] = float(torch.tensor(1 + 2.0**-11 + 2.0**-24).float()) - 2  # the product rounded once
+        assert torch.equal(sums, want_sums)
+        assert torch.equal(prod, (c64.T + 1) @ b64)
+
+    def make_args():
+        return [a.flatten().clone(), b.flatten().clone(), c.flatten().clone(), torch.zeros(64), torch.zeros(64),
+                torch.zeros(64)]  # fmt: skip
+
+    launch_all_orders(lib, "sg_fma_elements", grid=1, threadgroup=32, check=check, make_args=make_args)
+    emulator.run_checked(lib, "sg_fma_elements", grid=1, threadgroup=32, args=make_args())

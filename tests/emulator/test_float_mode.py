@@ -187,3 +187,35 @@ def test_half_conversions_by_instruction_equal_the_library_ones(lib, compiler, m
     got_h = f_to_h.numpy().view(np.float16)
     assert np.array_equal(np.isnan(got_h), np.isnan(want_h))
     assert np.array_equal(got_h[~np.isnan(want_h)].view(np.uint16), want_h[~np.isnan(want_h)].view(np.uint16))
+
+
+@pytest.mark.parametrize("mode", ["apple", "ieee"])
+def test_fused_multiply_adds_run_in_the_mode(lib, mode):
+    # fma() and the fused multiply-adds of simdgroup_matrix products (csrc/emu: one per k, in k order)
+    # take and give float32 subnormals as the mode says: a * b + c rounded once, with the operands
+    # and the result flushed in "apple" mode.
+    c = np.array([0.0, 1e-40, 0.0, 2.0**-126, -3.0, 2.0**-125, 0.0, 1.0], dtype=F32)
+    z = flush if mode == "apple" else (lambda x: np.asarray(x, dtype=F32))
+
+    def fused(x, y, acc):  # exact in float64 for these operands, then one rounding to float32
+        return z(F32(np.float64(z(x)) * np.float64(z(y)) + np.float64(z(acc))))
+
+    out, prod = torch.full((8,), float("nan")), torch.full((64,), float("nan"))
+    lib.launch("f32_fma", grid=1, threadgroup=32, float_mode=mode,
+               args=[torch.from_numpy(A.copy()), torch.from_numpy(B.copy()), torch.from_numpy(c.copy()), out, prod])
+    want = np.array([fused(A[i], B[i], c[i]) for i in range(8)], dtype=F32)
+    assert np.array_equal(bits(out.numpy()), bits(want))
+    # element (i, i) of the product: c[i], then for k = 0..7 one fused multiply-add, of zeros but at k = i
+    diag = []
+    for i in range(8):
+        acc = z(c[i])
+        for k in range(8):
+            acc = fused(A[i], B[i], acc) if k == i else fused(F32(0), F32(0), acc)
+        diag.append(acc)
+    got = prod.numpy().reshape(8, 8)
+    assert np.array_equal(bits(np.diag(got)), bits(np.array(diag, dtype=F32)))
+    assert (got[~np.eye(8, dtype=bool)] == 0).all()
+    if mode == "apple":  # 2^-100 * 2^-30: normal operands, a subnormal fused result, flushed
+        assert out[2].item() == 0.0 and got[2, 2] == 0.0
+    else:
+        assert out[2].item() == 2.0**-130 and got[2, 2] == F32(2.0**-130)

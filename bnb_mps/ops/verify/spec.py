@@ -204,17 +204,37 @@ def fp4_table() -> torch.Tensor:
 
 # -- int8 (section 6, with section 7): NaN and infinities ----------------------------------------------------
 #
-# NaN is left out of the row and column maxima, is never an outlier and quantizes to 0; an infinity
-# counts in its row's (column's) maximum, whose scale fl32(127 / inf) is 0, so that every code of that
-# row (column) is 0 (inf * 0 is NaN, which quantizes to 0), or, at a threshold, is an outlier. A
-# maximum of 0 gives codes 0. bitsandbytes' CPU code lets NaN into its maxima.
+# NaN is left out of the row maxima, is never an outlier and quantizes to 0; in int8_double_quant's
+# columns it makes the column's maximum NaN and every code of that column 0 (torch's amax, as
+# bitsandbytes' CUDA backend takes it). An infinity counts in its row's (column's) maximum, whose row
+# scale fl32(127 * fl32(1 / inf)) is 0, so that every code of that row (column) is 0 (inf * 0 and
+# inf / inf are NaN, which quantizes to 0), or, at a threshold, is an outlier. A maximum of 0 gives
+# codes 0. bitsandbytes' CPU code lets NaN into its row maxima.
+
+
+def _int8_round(v: float) -> int:
+    return 0 if v != v else max(-127, min(127, round(v)))  # (round: half to even; inf is clamped)
 
 
 def _int8_code(x: float, maximum: float) -> int:
-    """round_half_even(fl32(x * fl32(127 / maximum))) clamped to [-127, 127]; NaN gives 0."""
-    scale = 0.0 if maximum == 0.0 else round32(127.0 / maximum)  # (127 / inf is 0)
-    v = mul32(x, scale)
-    return 0 if v != v else max(-127, min(127, round(v)))
+    """A row code: round_half_even(fl32(x * fl32(127 * fl32(1 / maximum)))) clamped, with fl32(127 / maximum)
+    as the scale for a maximum above 2^126; NaN gives 0."""
+    if maximum == 0.0:
+        scale = 0.0
+    elif maximum > 2.0**126:
+        scale = round32(127.0 / maximum)  # (127 / inf is 0)
+    else:
+        scale = round32(127.0 * round32(1.0 / maximum))
+    return _int8_round(mul32(x, scale))
+
+
+def _int8_column_code(x: float, maximum: float, dtype: torch.dtype) -> int:
+    """A column code: round_half_even(fl32(float(T(x * 127)) / maximum)), T = A's dtype, clamped;
+    0 / 0, x / NaN and inf / inf give 0."""
+    times127 = torch.tensor(x * 127.0, dtype=torch.float64).to(dtype).item()  # (x * 127 is exact in a double)
+    if maximum == 0.0 or maximum != maximum or math.isinf(maximum) and math.isinf(times127):
+        return 0
+    return _int8_round(round32(times127 / maximum))
 
 
 def _int8_outliers(rows: list[list[float]], threshold: float) -> list[list[bool]]:
@@ -245,7 +265,7 @@ def spec_int8_double_quant(A: torch.Tensor, threshold: float):
     rows = [_floats(r) for r in A]
     out = _int8_outliers(rows, threshold)
     masked = [[0.0 if o else x for x, o in zip(r, ro)] for r, ro in zip(rows, out)]
-    col_stats = [_int8_max(column) for column in zip(*masked)]
-    CAt = [[_int8_code(x, m) for x, m in zip(r, col_stats)] for r in masked]
+    col_stats = [math.nan if any(x != x for x in column) else _int8_max(column) for column in zip(*masked)]
+    CAt = [[_int8_column_code(x, m, A.dtype) for x, m in zip(r, col_stats)] for r in masked]
     return (CA, torch.tensor(CAt, dtype=torch.int8).reshape(A.shape), row_stats,
             torch.tensor(col_stats, dtype=torch.float32), cols)  # fmt: skip

@@ -295,3 +295,35 @@ kernel void sg_matrix_forms(device const half* a [[buffer(0)]],
   simdgroup_store(e, e_out, 8, ulong2(0, 0), true);
   simdgroup_store(z, z_out, 8);
 }
+
+// simdgroup_matrix arithmetic as Apple GPUs do it: products accumulate with fused multiply-adds
+// (d = a * b + c rounds once per k), and thread_elements() gives each thread two elements of a
+// matrix, the same two of every matrix, for elementwise arithmetic. One simdgroup of 32 threads.
+//   fused = A * B + C; sums = A * B + 2 C (elementwise through thread_elements);
+//   prod = (C^T + 1) * B (a matrix loaded transposed, changed elementwise, then a product's operand).
+kernel void sg_fma_elements(device const float* a [[buffer(0)]],
+                            device const float* b [[buffer(1)]],
+                            device const float* c [[buffer(2)]],
+                            device float* fused [[buffer(3)]],
+                            device float* sums [[buffer(4)]],
+                            device float* prod [[buffer(5)]]) {
+  simdgroup_float8x8 ma;
+  simdgroup_float8x8 mb;
+  simdgroup_float8x8 mc;
+  simdgroup_float8x8 mt;
+  simdgroup_float8x8 d;
+  simdgroup_load(ma, a, 8);
+  simdgroup_load(mb, b, 8);
+  simdgroup_load(mc, c, 8);
+  simdgroup_load(mt, c, 8, ulong2(0, 0), true);
+  simdgroup_multiply_accumulate(d, ma, mb, mc);
+  simdgroup_store(d, fused, 8);
+  simdgroup_multiply(d, ma, mb);
+  thread float2& e = d.thread_elements();
+  e = e + mc.thread_elements() * 2.0f;
+  simdgroup_store(d, sums, 8);
+  thread float2& t = mt.thread_elements();
+  t = t + float2(1.0f);
+  simdgroup_multiply(d, mt, mb);
+  simdgroup_store(d, prod, 8);
+}

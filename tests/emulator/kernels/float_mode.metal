@@ -58,3 +58,31 @@ kernel void half_float_conversions(device const ushort* h [[buffer(0)]], device 
     h_to_f[i] = as_type<uint>(float(as_type<half>(h[i])));
     f_to_h[i] = as_type<ushort>(half(as_type<float>(f[i])));
 }
+
+// Fused multiply-adds: out[i] = fma(a[i], b[i], c[i]) (i < 8), and prod = A * B + C by one
+// simdgroup_multiply_accumulate of 8x8 matrices with a, b and c on their diagonals (one simdgroup).
+kernel void f32_fma(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                    device const float* c [[buffer(2)]], device float* out [[buffer(3)]],
+                    device float* prod [[buffer(4)]], uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup float ta[64];
+    threadgroup float tb[64];
+    threadgroup float tc[64];
+    for (uint i = tid; i < 64u; i += 32u) {
+        const bool diagonal = i / 8u == i % 8u;
+        ta[i] = diagonal ? a[i / 8u] : 0.0f;
+        tb[i] = diagonal ? b[i / 8u] : 0.0f;
+        tc[i] = diagonal ? c[i / 8u] : 0.0f;
+    }
+    if (tid < 8u) {
+        out[tid] = fma(a[tid], b[tid], c[tid]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    simdgroup_float8x8 ma;
+    simdgroup_float8x8 mb;
+    simdgroup_float8x8 mc;
+    simdgroup_load(ma, ta, 8);
+    simdgroup_load(mb, tb, 8);
+    simdgroup_load(mc, tc, 8);
+    simdgroup_multiply_accumulate(mc, ma, mb, mc);
+    simdgroup_store(mc, prod, 8);
+}

@@ -340,7 +340,7 @@ template <class T, int Cols, int Rows>
 struct simdgroup_matrix {
   // Mutable: a kZero operand is written as zeros where it is first used (emu::materialize), which
   // does not change its value.
-  mutable T m[Rows][Cols];
+  alignas(2 * sizeof(T)) mutable T m[Rows][Cols];  // a lane's two elements are one vec<T, 2> (thread_elements)
   mutable emu::matrix_state state = emu::kZero;
   bool transposed = false;  // element (i, j) is m[j][i] (square matrices only)
   simdgroup_matrix() {}
@@ -348,6 +348,8 @@ struct simdgroup_matrix {
     for (int i = 0; i < Rows && i < Cols; ++i) m[i][i] = diagonal;
   }
   T& at(int i, int j) const { return transposed ? m[j][i] : m[i][j]; }
+  // This lane's two elements of an 8x8 matrix in a simdgroup of 32 lanes (defined below).
+  vec<T, 2>& thread_elements() const;
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
@@ -460,7 +462,8 @@ inline float8_t column8(const simdgroup_matrix<T, 8, 8>& x, int c) {
 }
 
 // This lane's elements of d = a * b (+ c), each accumulated in float in k order from c's element
-// (or 0.0f); d may be a, b or c.
+// (or 0.0f), one fused multiply-add (a single rounding) per k, as Apple GPUs compute
+// simdgroup_matrix products (on float FMA units); d may be a, b or c.
 template <class TD, class TA, class TB, class TC, int M, int N, int K, bool Acc>
 inline void multiply_share(const bnb_emu_lane& l, simdgroup_matrix<TD, N, M>& d, const simdgroup_matrix<TA, K, M>& a,
                            const simdgroup_matrix<TB, N, K>& b, const simdgroup_matrix<TC, N, M>* c) {
@@ -475,17 +478,16 @@ inline void multiply_share(const bnb_emu_lane& l, simdgroup_matrix<TD, N, M>& d,
         acc0 = float(c->at(i, j));
         acc1 = float(c->at(i, j + 1));
       }
-      // The 16 products as two vectors of 8 (each product rounded as the scalar one is: the same
-      // instruction per element), then added to the accumulators one by one in k order. A row of
-      // memory (a's row i; b's columns j, j + 1 when b is kept transposed) is converted to float by
-      // one vector conversion.
+      // The operands as vectors of 8 (a row of memory, a's row i or b's columns j, j + 1 when b is
+      // kept transposed, converted to float by one vector conversion), then one fused multiply-add
+      // per k into each accumulator, in k order.
       auto products = [&](auto a_transposed, auto b_transposed) {
         const float8_t av = a_transposed ? column8(a, i) : row8(a, i);
-        const float8_t p0 = av * (b_transposed ? row8(b, j) : column8(b, j));
-        const float8_t p1 = av * (b_transposed ? row8(b, j + 1) : column8(b, j + 1));
+        const float8_t b0 = b_transposed ? row8(b, j) : column8(b, j);
+        const float8_t b1 = b_transposed ? row8(b, j + 1) : column8(b, j + 1);
         for (int k = 0; k < K; ++k) {
-          acc0 = acc0 + p0[k];
-          acc1 = acc1 + p1[k];
+          acc0 = __builtin_fmaf(av[k], b0[k], acc0);
+          acc1 = __builtin_fmaf(av[k], b1[k], acc1);
         }
       };
       using yes = std::true_type;
@@ -505,7 +507,7 @@ inline void multiply_share(const bnb_emu_lane& l, simdgroup_matrix<TD, N, M>& d,
   for_share<M, N>(l, [&](int i, int j) {
     float acc = 0.0f;
     if constexpr (Acc) acc = float(c->at(i, j));
-    for (int k = 0; k < K; ++k) acc = acc + float(a.at(i, k)) * float(b.at(k, j));
+    for (int k = 0; k < K; ++k) acc = __builtin_fmaf(float(a.at(i, k)), float(b.at(k, j)), acc);
     out[i][j] = TD(acc);
   });
   d.transposed = false;
@@ -562,6 +564,31 @@ inline void profile_matrix_share(const volatile T* base, ulong elements_per_row,
 #endif
 }
 }  // namespace emu
+
+// thread_elements(): elements (i, j) and (i, j + 1) of the lane's 8x8 matrix, i = L / 4 and
+// j = 2 (L % 4) for lane L of a simdgroup of 32: the share above. That is the emulator's layout;
+// Apple documents none, so a kernel may use thread_elements only elementwise between matrices (the
+// same element of each). Afterwards the matrix is the lane's share (kShare): what the lane writes
+// there is its own until a product or store uses it (gathered from the lanes' shares, if needed).
+template <class T, int Cols, int Rows>
+inline vec<T, 2>& simdgroup_matrix<T, Cols, Rows>::thread_elements() const {
+  static_assert(Rows == 8 && Cols == 8, "thread_elements: 8x8 matrices");
+  const bnb_emu_lane& l = emu::lane();
+  if (l.lanes_in_simdgroup != 32)
+    emu::rt->fail(BNB_EMU_KERNEL_ERROR, "thread_elements in a simdgroup of fewer than 32 threads (not modelled)",
+                  __FILE__, __LINE__);
+  emu::materialize(*this);
+  if (transposed) {  // (kFull) laid out as it reads
+    T t[8][8];
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 8; ++j) t[i][j] = m[j][i];
+    __builtin_memcpy(static_cast<void*>(m), static_cast<const void*>(t), sizeof t);
+    const_cast<simdgroup_matrix*>(this)->transposed = false;
+  }
+  state = emu::kShare;
+  const uint32_t lane = l.thread_index_in_simdgroup;
+  return *reinterpret_cast<vec<T, 2>*>(&m[lane / 4][2 * (lane % 4)]);
+}
 
 template <class T, int C, int R>
 inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const volatile typename emu::identity<T>::type* src,
