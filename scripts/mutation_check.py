@@ -144,9 +144,9 @@ FAULTS = [
           "return tier in GPU_TIERS", (TUNING, "-k", "off_on_the_emulated"),
           "only the GPU tier's own device's calls are timed on its clock"),
     # -- the model of torch's MPS runtime (bnb_mps/modelled_mps) ------------------------------------------------
-    Fault("MM1", "bnb_mps/modelled_mps/runtime.py", "            self.cpu_sync_completed = 1\n",
-          "            self.cpu_sync_completed += 1\n", (MODELLED, "-k", "deadlocks_where_torch_does"),
-          "torch 2.13/2.14's CPU sync flag is a bool (the double-listener deadlock)"),
+    Fault("MM1", "bnb_mps/modelled_mps/runtime.py", '"2.14": TorchBehaviour("2.14.1", True,',
+          '"2.14": TorchBehaviour("2.14.1", False,', (MODELLED,),
+          "torch 2.14 has the double-listener deadlock (its CPU sync flag is a bool)"),
     Fault("MM2", "bnb_mps/modelled_mps/runtime.py", "            if not end.completion_ns > start.completion_ns:\n",
           "            if False:\n", (MODELLED, "-k", "reverse"), "events recorded in reverse raise"),
     Fault("MM3", "bnb_mps/modelled_mps/runtime.py",
