@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import extras
 import pytest
 
 from bnb_mps.msl import address_space, checks
@@ -22,7 +23,7 @@ def clang():
     try:
         return address_space.find_clang()
     except address_space.CheckUnavailable as e:
-        pytest.skip(f"address-space check unavailable here: {e}")
+        extras.missing("clang", f"address-space check unavailable here: {e}")
 
 
 def expected(path: Path) -> set[tuple[int, str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import extras
 import pytest
 import torch
 
@@ -49,7 +50,7 @@ def test_step_bytes_and_sizes(bench):
 
 
 def test_chart(bench, tmp_path):
-    pytest.importorskip("matplotlib")
+    extras.require("matplotlib")
     rows = [{"config": c, "params": n, "ms": ms, "state_bytes": sb} for c, n, ms, sb in (
         ("a", 10**7, 1.0, 2e7), ("a", 10**8, 9.0, 2e8), ("b", 10**7, 2.0, 8e7), ("b", 10**8, 20.0, 8e8))]
     path = bench.chart(rows, str(tmp_path / "c.png"))

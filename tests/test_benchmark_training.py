@@ -6,6 +6,7 @@ import re
 import runpy
 import sys
 
+import extras
 import pytest
 
 from script_loader import load_script
@@ -59,7 +60,7 @@ def test_script_runs_as_a_program(tmp_path, monkeypatch, capsys):
 
 
 def test_chart_is_a_png(bench, tmp_path):
-    pytest.importorskip("matplotlib")
+    extras.require("matplotlib")
     results = [bench.Result("cpu", "fp32", 2.0, 2000.0), bench.Result("cpu", "bf16", 1.0, 4000.0)]
     path = bench.write_chart(results, str(tmp_path / "chart.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import extras
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
-pytest.importorskip("matplotlib")
+transformers = extras.require("transformers")
+extras.require("peft")
+extras.require("matplotlib")
+extras.require("tqdm")  # (the kernel check's progress bar)
 
 import bitsandbytes  # noqa: E402,F401  (defines the ops)
 
@@ -385,7 +387,9 @@ def test_kernel_check_bound_is_docs_semantics_section_4(cpu_run, check_inputs, r
     assert b["logits_within"] is True
     assert kc["max_abs_logit_diff"] <= b["max_abs_logit_diff"] and kc["max_rel_logit_diff"] <= b["max_rel_logit_diff"]
     # The allowed difference is what products off by 5 units of 2^-24 * sum |a*w| make of the logits: an own
-    # perturbation (random signs, its own generator) moves them by as much, within a factor of 3.
+    # perturbation (random signs, its own generator) moves them by as much, within a factor of 3 (other
+    # signs move them otherwise). The bound's parts are pinned by tests/test_demo_check.py: the error
+    # per product, the perturbation's signs and size, the largest of the draws, the verdicts.
     moved = perturbed_logits(check_inputs["model"], check_inputs["eval_ids"], cpu_run[0]["cpu_threads"])
     own = (moved.double() - r.logits_stock.double()).abs().max().item()
     assert own / 3 <= b["max_abs_logit_diff"] <= 3 * own, (own, b["max_abs_logit_diff"])
@@ -395,7 +399,6 @@ def test_kernel_check_bound_is_docs_semantics_section_4(cpu_run, check_inputs, r
     top2 = allowed.topk(2, dim=-1).values
     gaps = top2[:, 0] - top2[:, 1]
     assert b["greedy_min_gap"] == gaps.min().item() and b["greedy_min_gap_token"] == int(gaps.argmin()) + 1
-    assert b["could_change_a_token"] or b["greedy_min_gap"] > 2 * b["max_abs_logit_diff"]
 
 
 def perturbed_logits(model, ids, threads: int) -> torch.Tensor:

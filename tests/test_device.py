@@ -13,6 +13,7 @@ import subprocess
 import sys
 import types
 
+import extras
 import pytest
 import torch
 from hypothesis import given, settings
@@ -457,7 +458,7 @@ def _training_arguments_names():
     source with ast (importing transformers.training_args loads bitsandbytes: seconds)."""
     spec = importlib.util.find_spec("transformers")
     if spec is None:
-        pytest.skip("transformers is not installed")
+        extras.missing("transformers")
     path = os.path.join(spec.submodule_search_locations[0], "training_args.py")
     tree = ast.parse(open(path, encoding="utf-8").read())
     fields, optims = set(), set()
@@ -480,7 +481,7 @@ def test_checkpointing_goes_by_the_name_the_installed_transformers_takes(tmp_pat
     the config's fields build TrainingArguments with warnings as errors, on every device."""
     import warnings
 
-    transformers = pytest.importorskip("transformers")
+    transformers = extras.require("transformers")
     field = dev.checkpointing_field()
     assert field == "activation_checkpointing"  # (constraints.txt pins transformers 5.24)
     cfg = dev.training_config("cpu")

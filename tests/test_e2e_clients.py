@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 
+import extras
 import pytest
 import torch
 
 pytest.importorskip("bnb_mps._emu")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = extras.require("transformers")
+peft = extras.require("peft")
+extras.require("accelerate")  # (transformers loads quantized models through it)
 
 import bitsandbytes as bnb  # noqa: E402
 import bitsandbytes.functional as F  # noqa: E402

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import copy
 
+import extras
 import pytest
 import torch
 
 pytest.importorskip("bnb_mps._emu")
-transformers = pytest.importorskip("transformers")
+transformers = extras.require("transformers")
+extras.require("accelerate")  # (transformers loads quantized models through it)
 
 import bitsandbytes as bnb  # noqa: E402
 

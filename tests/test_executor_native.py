@@ -16,6 +16,7 @@ import sys
 import types
 from pathlib import Path
 
+import extras
 import pytest
 import torch
 
@@ -523,10 +524,10 @@ def test_unchanged_header_is_not_rewritten(tmp_path):
 # --- Objective-C++ syntax ------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("clang++") is None, reason="needs clang++ (apt-get install -y clang)")
 def test_native_source_passes_the_syntax_check():
     """clang parses csrc/mps_ops.mm (ObjC++/ARC) against the real torch headers and the stand-in
     Apple headers in tests/native_stubs; see scripts/check_native_syntax.sh for what that proves."""
+    extras.require_tool("clang", "clang++")
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "check_native_syntax.sh")],
         capture_output=True,

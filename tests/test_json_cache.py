@@ -20,36 +20,77 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fcntl: POSIX on
 REPO = Path(__file__).resolve().parents[1]
 
 
-def python(code: str, *args: str) -> subprocess.Popen:
-    """A Python process running `code` with this checkout's bnb_mps (its json_cache needs nothing else)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def python(code: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """A Python process running `code` with this checkout's bnb_mps, and `env` added to the environment."""
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))  # (what is set first stays first)
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 WRITER = """
-    import sys, time
+    import pathlib, sys, time
     from bnb_mps import json_cache
-    path, name, n, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    while time.time() < start:  # (all writers begin together)
+    from bnb_mps.ops import tuning
+    from bnb_mps.ops.verify import Verdict, cache
+    folder, me, n, writers = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    (folder / f"ready-{me}").touch()  # the start barrier: every writer imported, then all begin at "go"
+    while not (folder / "go").exists():
         time.sleep(0.001)
     for i in range(n):
-        json_cache.update(path, lambda data: {**data, f"{name}-{i}": {"i": i}})
+        json_cache.update(folder / "plain.json", lambda data: {**data, f"{me}-{i}": {"i": i}})
+        tuning._store(f"machine {int(me) % 2}", tuning.Decision("gemm_4bit", f"key {me} {i}", "mma", "mma",
+                                                                {"mma": 1e-3}, "native"))
+        cache.store(f"{me} key {i}", {"int8_quant": Verdict("int8_quant", True, 0.5, launches=i)})
 """
 
 
 def test_processes_updating_at_once_keep_every_entry(tmp_path):
-    """Four processes each add 40 entries at the same time: all 160 are in the file. (Without the lock,
-    a read-change-replace of one process drops what another wrote between its read and its rename.)"""
-    path = tmp_path / "cache.json"
-    start = time.time() + 2.0
-    procs = [python(WRITER, str(path), f"p{k}", "40", str(start)) for k in range(4)]
+    """The concurrent-writers fault (a lock released before the rename, or none): four processes, held
+    at a start barrier until all have imported, each add 30 entries at once to a plain json_cache
+    file, to the tuning cache (bnb_mps.ops.tuning, per machine) and to the verification cache
+    (bnb_mps.ops.verify): every entry is in each file. (Without the lock, a read-change-replace of one
+    process drops what another wrote between its read and its rename: most entries are lost.)"""
+    from bnb_mps.ops import tuning
+    from bnb_mps.ops.verify import cache
+
+    writers, n = 4, 30
+    env = {tuning.CACHE_ENV_VAR: str(tmp_path / "tune.json"), cache.CACHE_ENV_VAR: str(tmp_path / "verify.json")}
+    procs = [python(WRITER, str(tmp_path), str(k), str(n), str(writers), env=env) for k in range(writers)]
+    deadline = time.monotonic() + 300
+    while len(list(tmp_path.glob("ready-*"))) < writers:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
-    data = json_cache.read(path)
-    assert set(data) == {f"p{k}-{i}" for k in range(4) for i in range(40)}, f"{160 - len(data)} entries lost"
-    assert not [f for f in tmp_path.iterdir() if f.name not in ("cache.json", "cache.json.lock")]  # no temporaries
+    entries = {f"{k}-{i}" for k in range(writers) for i in range(n)}
+    data = json_cache.read(tmp_path / "plain.json")
+    assert set(data) == entries, f"{len(entries) - len(data)} entries lost"
+    tune = json_cache.read(tmp_path / "tune.json")
+    assert sorted(tune) == ["machine 0", "machine 1"]
+    kept = {k for machine in tune.values() for k in machine}
+    assert kept == {f"key {k} {i}" for k in range(writers) for i in range(n)}, f"{writers * n - len(kept)} lost"
+    verdicts = json_cache.read(tmp_path / "verify.json")
+    assert set(verdicts) == {f"{k} key {i}" for k in range(writers) for i in range(n)}
+    assert cache.from_entry("int8_quant", verdicts["2 key 7"]["int8_quant"]).launches == 7
+    temporaries = {f.name for f in tmp_path.iterdir()} - {"plain.json", "tune.json", "verify.json", "go"}
+    assert {t for t in temporaries if not t.startswith("ready-") and not t.endswith(".lock")} == set()
+
+
+def test_a_reader_that_opened_the_file_before_an_update_reads_the_old_content_whole(tmp_path):
+    """Fault J3: the file written in place instead of replaced. Readers take no lock, so a reader in the
+    middle of the file while a writer updates it must still read one whole version: the old one."""
+    path = tmp_path / "c.json"
+    old = {f"entry {i}": "x" * 100 for i in range(100)}
+    json_cache.update(path, lambda d: old)
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1000)
+        json_cache.update(path, lambda d: {"new": 1})
+        rest = f.read()
+    assert json.loads(head + rest) == old
+    assert json_cache.read(path) == {"new": 1}
 
 
 def test_read_takes_anything_malformed_for_empty(tmp_path):

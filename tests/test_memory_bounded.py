@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import gc
 
+import extras
 import pytest
 import torch
 
-psutil = pytest.importorskip("psutil")
+psutil = extras.require("psutil")
 
 import bitsandbytes.functional as F  # noqa: E402
 

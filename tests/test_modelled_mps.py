@@ -97,7 +97,7 @@ def test_synchronizing_a_timing_event_before_elapsed_time_deadlocks_where_torch_
         assert not end.query()  # (the GPU is not done yet)
         end.synchronize()
         assert end.query()
-        if VERSIONS[version].event_sync_is_a_bool:
+        if version in ("2.13", "2.14"):  # (pytorch#162872, fixed in 2.15: not the model's own table)
             with pytest.raises(ModelledDeadlock, match="pytorch#162872"):
                 start.elapsed_time(end)
         else:
@@ -442,7 +442,7 @@ def test_torch_int_mm_is_a_route_of_the_int8_product_where_torch_runs_it_on_mps(
             got = bnb.int8_linear_matmul.default(A, B)
             rows = [r for r in bnb_mps.tuning_table() if r["key"] == "int8_linear_matmul A=int8[2, 5, 96] B=int8[40, 96]"]
     assert got.dtype == torch.int32 and torch.equal(got.double(), want)
-    if VERSIONS[version].int_mm_on_mps:
+    if version >= "2.15":  # (torch._int_mm on mps from 2.15, read in its release's binaries: not the model's table)
         assert len(rows) == 1 and rows[0]["choice"] == "torch._int_mm", rows
         assert set(rows[0]["times"]) == {"kernel", "torch._int_mm"}, rows
     else:

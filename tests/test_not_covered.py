@@ -21,7 +21,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 import bnb_mps
 import op_inputs
-from bnb_mps import ops, registration
+from bnb_mps import executors, ops, registration
 from bnb_mps.ops import launch
 from bnb_mps.ops.validation import NotCovered
 from bnb_mps.testing import RecordingExecutor, use_emulated_kernels
@@ -188,12 +188,48 @@ def test_optimizer_step_zero_and_infinite_lr_take_bitsandbytes_update(emulated_m
     assert ops.call_counts()[name] == {"bitsandbytes": 3}
 
 
-def test_int8_threshold_that_is_not_positive_means_no_outliers(emulated_mps):
-    A = randn(6, 40, dtype=torch.float16)
-    for threshold in (-1.0, float("nan")):
-        CA, stats, cols = bnb.int8_vectorwise_quant.default(A, threshold)
-        want = bnb.int8_vectorwise_quant.default(A, 0.0)
-        assert cols is None and same((CA, stats), want[:2])
+@pytest.mark.parametrize("uncovered,index,value", [("step 0", 14, 0), ("an infinite lr", 15, float("inf")),
+                                                   ("an lr beyond float32", 15, 1e39)])  # fmt: skip
+def test_an_uncovered_optimizer_call_leaves_later_covered_calls_of_its_signature_on_the_kernels(
+        emulated_mps, uncovered, index, value):  # fmt: skip
+    """Fault R2: an uncovered optimizer call (step 0, an infinite lr: per-call values, left out of the
+    call signature) made every later, covered call of the same signature go to bitsandbytes' own code.
+    Uncovered and covered calls of one signature alternate, the uncovered one first (found when the
+    signature is resolved) and again after a covered one (found when the kept kernel plan runs): each
+    covered call runs the kernel and updates the states as the kernel does on its own."""
+    name = "optimizer_update_32bit"
+    uncovered_call = first_case(name)
+    uncovered_call[0] = "momentum"  # (bitsandbytes' momentum takes step 0; its adam divides by zero there)
+    uncovered_call[index] = value
+    covered = first_case(name)
+    covered[0] = "momentum"
+    want = copy.deepcopy(covered)
+    ops.OPS[name].kernel(executors.load_tier("emulated"), *want)  # the kernel, called directly
+    for _ in range(2):
+        ops.op_packet(name).redispatch(MPS, *copy.deepcopy(uncovered_call))
+        got = copy.deepcopy(covered)
+        ops.op_packet(name).redispatch(MPS, *got)
+        assert all(g is None or same(g, w) for g, w in zip(got[1:5], want[1:5]))
+    assert ops.call_counts()[name] == {"bitsandbytes": 2, "emulated": 2}
+
+
+@pytest.mark.parametrize("threshold", [-1.0, -0.0, float("nan"), float("-inf")])
+@pytest.mark.parametrize("name", ["int8_vectorwise_quant", "int8_double_quant"])
+def test_int8_threshold_that_is_not_positive_means_no_outliers(emulated_mps, name, threshold):
+    """Fault N1: a negative or NaN threshold took the outlier path. Through the mps key (bnb-mps'
+    emulated kernels serve it), against no threshold at all: bitsandbytes' own CPU code (bnb-mps is not
+    registered for cpu) where it has one, else the SPEC reference (tests/reference_int8.py)."""
+    import reference_int8
+
+    A = randn(6, 40, dtype=torch.float16) * 3
+    A[2, 5] = 100.0  # (an outlier, were any threshold taken)
+    if name == "int8_vectorwise_quant":
+        want = ops.op_packet(name)(A.clone(), 0.0)
+    else:  # (bitsandbytes has no CPU int8_double_quant)
+        want = reference_int8.int8_double_quant(A, 0.0, flush=True)
+    got = ops.op_packet(name).redispatch(MPS, A.clone(), threshold)
+    assert ops.call_counts()[name] == {"emulated": 1}
+    assert got[-1] is None and same(tuple(got[:-1]), tuple(want[:-1])), got
 
 
 def test_gemm_4bit_ignores_absmax_code_without_absmax_8bit(emulated_mps):

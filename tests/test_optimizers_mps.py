@@ -13,6 +13,7 @@ p): random states make some updates nearly cancel p, and there a different round
 from __future__ import annotations
 
 import bitsandbytes as bnb
+import extras
 import pytest
 import torch
 
@@ -126,7 +127,8 @@ def test_paged_optimizers_on_mps(paged_cls, plain_cls):
 
 
 def test_transformers_trainer_with_paged_adamw_8bit(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = extras.require("transformers")
+    extras.require("accelerate")  # (the Trainer runs through it)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     torch.manual_seed(0)

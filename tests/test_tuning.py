@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import bitsandbytes.functional as F
+import extras
 import pytest
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -228,6 +229,55 @@ def test_a_candidate_that_raises_is_dropped_with_its_error():
     assert same_bits(got, gemm_by_hand("bitsandbytes", args))
 
 
+def test_a_candidate_that_raises_while_timed_is_dropped_and_the_others_timed(monkeypatch):
+    """As above, on a real clock (the host's: the emulated kernels timed), with a route that runs once
+    (the warm-up) and raises in a timed batch: a route's own error while it is timed drops that route,
+    never the measurement (which a clock's trouble, timing.TimingFailed, would: it keeps nothing)."""
+
+    class Faulty(RecordingExecutor):
+        dequantized = 0
+
+        def launch(self, kernel, *, grid, threadgroup, args):
+            if kernel.startswith("bnb_dequantize_4bit_"):
+                self.dequantized += 1
+                if self.dequantized > 1:
+                    raise RuntimeError(f"{kernel}: command buffer error")
+            super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    faulty = Faulty(executors.load_tier("emulated"))
+    entry = ops.dispatcher_entry("gemm_4bit", faulty, None, lambda *a: bnb.gemm_4bit.default(*a))
+    args = small_gemm()
+    got = entry(tuple(copy.deepcopy(args)), {})
+    row = row_of("gemm_4bit")
+    assert row["clock"] == "host" and set(row["times"]) == set(candidates_of(3)) - {"dequantize+linear"}, row
+    assert row["errors"] == {"dequantize+linear": "RuntimeError: bnb_dequantize_4bit_nf4_f32: command buffer error"}
+    assert same_bits(got, gemm_by_hand(row["choice"], args))
+
+
+
+@pytest.mark.parametrize("error", [ValueError, OSError, MemoryError, KeyError])
+def test_whatever_first_use_raises_the_built_in_route_serves_and_nothing_is_kept(monkeypatch, error):
+    """Making the tuning inputs fails (any exception, not only torch's RuntimeError): the user's call is
+    served by its built-in route, nothing is kept in the table or the cache."""
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    real_init = candidates.Candidates.__init__
+
+    def failing_fresh(self, *a, **k):
+        real_init(self, *a, **k)
+
+        def fresh():
+            raise error("no memory for the tuning inputs")
+
+        self.fresh = fresh
+
+    monkeypatch.setattr(candidates.Candidates, "__init__", failing_fresh)
+    args = small_gemm()
+    with use_emulated_kernels() as kernels:
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    assert kernels.launched == ["bnb_gemm_4bit_batch_nested_f32"] and bnb_mps.tuning_table() == []
+    assert same_bits(got, gemm_by_hand("batch", args)) and not tuning.cache_path().exists()
+
 def test_switch_0_keeps_the_built_in_order_and_excluded_routes_are_no_candidates(monkeypatch):
     args = gemm_args(40)
     monkeypatch.setenv(tuning.ENV_VAR, "0")
@@ -400,24 +450,12 @@ def test_the_cache_is_read_by_a_new_process_and_invalidated_by_a_source_change(t
     assert [r["cached"] for r in table if r["op"] == "gemm_4bit"] == [False]
 
 
-def test_concurrent_writers_lose_nothing(tmp_path):
-    cache = tmp_path / "tune.json"
-    code = """
-    import sys
-    from bnb_mps.ops import tuning
-    me = sys.argv[1]
-    for i in range(100):
-        d = tuning.Decision("gemm_4bit", f"key {me} {i}", "mma", "mma", {"mma": 1e-3}, "native")
-        tuning._store(f"machine {int(me) % 2}", d)
-    """
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(i)], stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, tuning.CACHE_ENV_VAR: str(cache)}) for i in range(4)]  # fmt: skip
-    for p in procs:
-        assert p.wait(timeout=600) == 0, p.stderr.read()
-    data = json.loads(cache.read_text())
-    assert sorted(data) == ["machine 0", "machine 1"]
-    assert sorted(k for entries in data.values() for k in entries) == sorted(f"key {p} {i}" for p in range(4)
-                                                                               for i in range(100))  # fmt: skip
+def test_a_stored_choice_keeps_every_other_entry_of_the_file():
+    """(Processes that store at once: tests/test_json_cache.py.)"""
+    for machine, key in (("m0", "k0"), ("m0", "k1"), ("m1", "k0")):
+        tuning._store(machine, tuning.Decision("gemm_4bit", key, "mma", "mma", {"mma": 1e-3}, "native"))
+    data = json.loads(tuning.cache_path().read_text())
+    assert {m: sorted(e) for m, e in data.items()} == {"m0": ["k0", "k1"], "m1": ["k0"]}
 
 
 def test_a_malformed_cache_counts_as_empty(monkeypatch):
@@ -468,6 +506,7 @@ def test_mps_a_real_shape_is_measured_on_the_gpu_clock(monkeypatch):
 
 
 def test_the_tune_command_measures_every_candidate_on_the_emulated_tier_and_says_the_times_mean_nothing(tmp_path):
+    extras.require("matplotlib")  # (for the chart; a test extra: under CI its absence fails this test)
     out_json, chart = tmp_path / "tune.json", tmp_path / "tune.png"
     env = {**os.environ, tuning.CACHE_ENV_VAR: str(tmp_path / "cache.json")}
     env.pop("BNB_MPS_EXECUTOR", None)
@@ -490,12 +529,30 @@ def test_the_tune_command_measures_every_candidate_on_the_emulated_tier_and_says
         assert set(r["times"]) == want and not r["errors"], r
         assert all(t > 0 for t in r["times"].values()) and r["choice"] in want and r["dense_fp16_linear"] > 0
         assert (r["gbps"] is not None) == (M == 1) and r["share_of_peak"] is None
-    assert chart.read_bytes()[:4] == b"\x89PNG" or "no chart" in run.stdout
+    assert f"chart: {chart}" in run.stdout and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # (matplotlib: above)
     cached = json.loads((tmp_path / "cache.json").read_text())
     assert sorted(k for entries in cached.values() for k in entries if k.startswith("gemm_4bit")) == sorted(
         r["key"] for r in report["rows"])  # fmt: skip
     info = subprocess.run([sys.executable, "-m", "bnb_mps"], capture_output=True, text=True, env=env, timeout=600)
     assert info.returncode == 0 and "emulated: gemm_4bit float16 M<=1 N=40 K=128 blocksize=64 nf4 nested" in info.stdout
+
+
+def test_the_tune_chart_is_drawn_where_matplotlib_is_and_said_to_be_missing_where_it_is_not(tmp_path, monkeypatch):
+    """The chart test's fault: it read the chart before checking for "no chart", so it failed wherever
+    matplotlib was missing. The chart of two rows is a PNG; without matplotlib there is none, and
+    no file."""
+    from bnb_mps import tune_command
+
+    rows = [{"shape": "40x128", "M": M, "times": {"mma": 1e-3 * M, "dequantize+linear": 2e-3}, "dense_fp16_linear": 5e-4,
+             "mlx_quantized_matmul": None} for M in (1, 3)]  # fmt: skip
+    extras.require("matplotlib")
+    drawn = tmp_path / "drawn.png"
+    assert tune_command.chart(rows, str(drawn), "emulated", False) == str(drawn)
+    assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (its import raises ImportError)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    assert tune_command.chart(rows, str(tmp_path / "none.png"), "emulated", False) is None
+    assert not (tmp_path / "none.png").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -518,3 +575,281 @@ def test_model_shapes():
     assert [(N, K) for _, N, K in model_shapes.layers("Qwen2.5-7B")] == [(3584, 3584), (512, 3584), (18944, 3584),
                                                                          (3584, 18944)]  # fmt: skip
     assert len(model_shapes.layers("Flux-block")) == 6  # (proj_mlp has the feed-forward's shape)
+
+
+# -- faults these tests guard against (docs/tests.md, scripts/mutation_check.py) -----------------------------
+
+
+def small_gemm(M=3):
+    return gemm_args(M, N=24, K=128)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "machines of lists", "a directory"])
+def test_a_malformed_or_unreadable_cache_counts_as_empty_and_the_call_is_measured(monkeypatch, content):
+    """Fault T15: the cache read with a plain json.loads (or an entry of the wrong kind followed blindly)
+    makes the user's call raise. Nothing here fixes the timings: the cache is read, as on a Mac, and
+    the call is measured (the emulated kernels on the host's clock) and served by its choice."""
+    path = tuning.cache_path()
+    args = small_gemm()
+    if content == "a directory":
+        path.mkdir()
+    elif content == "machines of lists":  # (every machine's entries, this one's too, not an object)
+        with use_emulated_kernels(), fixed_timings(times_favouring("mma")):
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+        path.write_text(json.dumps({machine: [1, 2] for machine in json.loads(path.read_text())}))
+        tuning.reset()
+    else:
+        path.write_text(content)
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    with use_emulated_kernels():
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    row = row_of("gemm_4bit")
+    assert not row["cached"] and row["clock"] == "host", row
+    assert set(row["times"]) == set(candidates_of(3)) and not row["errors"], row
+    assert same_bits(got, gemm_by_hand(row["choice"], args)), row["choice"]
+
+
+@pytest.mark.parametrize("kept_by", ["the cache", "this process"])
+def test_a_cached_choice_is_checked_against_todays_candidates(monkeypatch, kept_by):
+    """Fault T9: a choice read back from the cache served without being checked against today's
+    candidates: a route excluded since (BNB_MPS_TUNE_EXCLUDE), or whose family failed verification
+    since, still served. The cached dequantize+linear is excluded now: the key is measured again."""
+    args = small_gemm()
+    if kept_by == "the cache":
+        with use_emulated_kernels(), fixed_timings(times_favouring("dequantize+linear")):
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+        assert row_of("gemm_4bit")["choice"] == "dequantize+linear"
+        tuning.reset()  # (a new process: what this one decided is forgotten, the cache stays)
+        monkeypatch.setenv(tuning.ENV_VAR, "1")
+        monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "dequantize+linear,bitsandbytes")
+        with use_emulated_kernels() as kernels:
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+            kernels.clear()
+            got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    else:  # (decided, then excluded, within one setting of the timings: the choice is in this process alone)
+        with use_emulated_kernels() as kernels, fixed_timings(times_favouring("dequantize+linear")):
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+            assert row_of("gemm_4bit")["choice"] == "dequantize+linear"
+            monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "dequantize+linear,bitsandbytes")
+            args = small_gemm(M=4)  # (another call signature of the same shape key: M rounds up to 4)
+            bnb.gemm_4bit.default(*copy.deepcopy(args))
+            kernels.clear()
+            got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    (row,) = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit" and r["choice"] != "dequantize+linear"]
+    assert not row["cached"] and row["choice"] in ("gemv", "gemv/tglut", "batch", "mma"), row
+    assert row["left_out"] == dict.fromkeys(["dequantize+linear", "bitsandbytes"], "excluded by BNB_MPS_TUNE_EXCLUDE")
+    assert len(kernels.launched) == 1 and kernels.launched[0].startswith("bnb_g"), kernels.launched  # (one product)
+    assert same_bits(got, gemm_by_hand(row["choice"], args))
+
+
+STRIDED = {"every second column of a wider A": lambda A: torch.cat([A, A], 1).reshape(A.shape[0], 2, -1)
+           .transpose(1, 2).reshape(A.shape[0], -1)[:, ::2],  # fmt: skip
+           "A transposed": lambda A: A.t().contiguous().t(),
+           "a row offset": lambda A: torch.cat([torch.zeros(1, A.shape[1], dtype=A.dtype), A])[1:]}
+
+
+@pytest.mark.parametrize("layout", sorted(STRIDED))
+@pytest.mark.parametrize("M,route", [(3, "gemv"), (3, "batch"), (3, "dequantize+linear"), (3, "bitsandbytes"),
+                                     (40, "mma")])  # fmt: skip
+def test_a_choice_made_for_a_contiguous_A_serves_another_layout_of_its_key_correctly(M, route, layout):
+    """Fault R3b: a choice built for a contiguous A kept for a strided signature of the same shape key
+    gave wrong results. Tuned on a contiguous A, the same rows laid out otherwise give the route's
+    result for that layout (the route computed directly), bit for bit."""
+    args = gemm_args(M, bias=True)
+    strided = copy.deepcopy(args)
+    strided[0] = STRIDED[layout](args[0])
+    assert torch.equal(strided[0], args[0]) and not strided[0].is_contiguous() or layout == "a row offset"
+    assert strided[0].storage_offset() > 0 or layout != "a row offset"
+    want = gemm_by_hand(route, strided)
+    with use_emulated_kernels(), fixed_timings(times_favouring(route)):
+        bnb.gemm_4bit.default(*copy.deepcopy(args))  # (the choice, made for a contiguous A)
+        got = bnb.gemm_4bit.default(*strided)
+    assert [r["choice"] for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"] == [route]
+    assert same_bits(got, want)
+
+
+GEMM_KEY_FIELDS = {"bias": dict(bias=True), "dtype": dict(dtype=torch.float16), "nested": dict(nested=False),
+                   "quant_type": dict(quant_type="fp4"), "blocksize": dict(blocksize=128), "N": dict(N=40),
+                   "K": dict(K=192), "M bucket": dict(M=9)}  # fmt: skip
+
+
+def test_the_gemm_shape_key_tells_apart_every_field_a_route_depends_on():
+    """Faults T3 (bias dropped from the matmul shape key) and kin: a call that differs from another in
+    one field only (bias or not, A's dtype, nested scales, quant_type, blocksize, N, K, M's bucket) is
+    decided on its own, never served by the other's choice."""
+    base = dict(M=3, N=24, K=128)
+    times = dict.fromkeys(ALL_ROUTES, 1e-3)
+    with use_emulated_kernels():
+        with fixed_timings({**times, "gemv": 1e-4}):
+            bnb.gemm_4bit.default(*gemm_args(**base))
+        for field, change in GEMM_KEY_FIELDS.items():
+            route = "mma" if change.get("M", 3) > 4 else "batch"
+            with fixed_timings({**times, route: 1e-4}):
+                bnb.gemm_4bit.default(*gemm_args(**{**base, **change}))
+            assert row_of("gemm_4bit", key=gemm_key(**{**base, **change}))["choice"] == route, field
+    rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
+    assert len(rows) == 1 + len(GEMM_KEY_FIELDS) and row_of("gemm_4bit", key=gemm_key(**base))["choice"] == "gemv"
+
+
+def gemm_key(M, N, K, dtype=torch.float32, nested=True, bias=False, blocksize=64, quant_type="nf4"):
+    """The key of a gemm_4bit call, as bnb_mps.ops.candidates' docstring describes it."""
+    rows = f"M<={candidates.m_bucket(M)}"
+    return (f"gemm_4bit {str(dtype)[6:]} {rows} N={N} K={K} blocksize={blocksize} {quant_type}"
+            f"{' nested' if nested else ''}{' bias' if bias else ''}")
+
+
+GENERIC_VARIANTS = {
+    "quantize_blockwise": [lambda dt: [torch.randn(3000, generator=torch.Generator().manual_seed(2)).to(dt),
+                                       F.create_dynamic_map(signed=True), 256]],
+    "quantize_4bit": [lambda dt: [torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).to(dt), 64, "nf4",
+                                  torch.uint8]],
+    "dequantize_blockwise": [lambda dt: [torch.randint(0, 256, (3000,), dtype=torch.uint8,
+                                                       generator=torch.Generator().manual_seed(5)),
+                                         torch.rand(12, generator=torch.Generator().manual_seed(6)) + 0.5,
+                                         F.create_dynamic_map(signed=True), 256, dt]],
+    "optimizer_update_32bit": [lambda dt: ["adam", *(torch.randn(3000, generator=torch.Generator().manual_seed(s))
+                                                     .to(dt) for s in (3, 4)), torch.zeros(3000), torch.zeros(3000),
+                                           None, 0.0, 0.0, 0.9, 0.999, 0.0, 0.0, 1e-8, 0.01, 3, 1e-3, 1.0, False]],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC_VARIANTS))
+def test_the_shape_key_of_quantize_dequantize_and_optimizer_ops_tells_dtypes_apart(name):
+    """Fault T4: the dtype dropped from the generic shape key, so that a float16 call took the choice
+    measured for float32 (quantize, dequantize, the optimizers). Each dtype is decided on its own and
+    served by its own choice."""
+    (make,) = GENERIC_VARIANTS[name]
+    for dtype, route in ((torch.float32, "kernel"), (torch.float16, "bitsandbytes")):
+        args = make(dtype)
+        if route == "bitsandbytes":
+            want_args = copy.deepcopy(args)
+            want = ops.op_packet(name)(*want_args)  # bitsandbytes' own CPU implementation
+        with use_emulated_kernels(), fixed_timings(times_favouring(route)):
+            got = ops.op_packet(name)(*args)
+        if route == "bitsandbytes":
+            assert same_bits(got, want) and same_bits(args, want_args)
+    choices = sorted((r["choice"], r["key"]) for r in bnb_mps.tuning_table() if r["op"] == name)
+    assert [c for c, _ in choices] == ["bitsandbytes", "kernel"], choices
+    assert "float16" in choices[0][1] and "float16" not in choices[1][1], choices
+
+
+def test_timing_reports_seconds_per_call():
+    """Fault T12: timing reported the time of a batch of calls instead of one call. On a clock where
+    each call takes 0.1 ms, batches of ten such calls make the 1 ms a batch lasts at least, and the
+    time per call is 0.1 ms (time per batch would read ten times as much); on the host's clock a call
+    that takes 0.1 ms (a busy wait) is reported at no less than that."""
+    import time
+
+    from bnb_mps.executors import clocks
+    from bnb_mps.ops import timing
+
+    class Steady:
+        name = "steady"
+        batches: list = []
+
+        def batch(self, call, n):
+            for _ in range(n):
+                call()
+            self.batches.append(n)
+            return n * 1e-4
+
+    calls = []
+    clock = Steady()
+    assert timing.seconds(lambda: calls.append(1), clock) == pytest.approx(1e-4, rel=1e-12)
+    assert max(clock.batches) == 10 and len(calls) == 1 + sum(clock.batches)  # (a warm-up, then the batches)
+
+    def busy(duration=1e-4):
+        end = time.perf_counter() + duration
+        while time.perf_counter() < end:
+            pass
+
+    assert 1e-4 <= timing.seconds(busy, clocks.HostClock()) < 1e-2  # (a loaded machine may stretch it, never shorten it)
+
+
+
+def test_timing_takes_the_median_batch_per_call():
+    """Five batches of ten calls that took 9, 1, 3, 2 and 4 tenths of a millisecond per call: the median,
+    0.3 ms (not the fastest, the slowest, the mean or the last)."""
+    from bnb_mps.ops import timing
+
+    class Scripted:
+        name = "scripted"
+        per_call = iter([1e-4, 9e-4, 1e-4, 3e-4, 2e-4, 4e-4])  # (the first batch: one call, which sets n = 10)
+
+        def batch(self, call, n):
+            for _ in range(n):
+                call()
+            return n * next(self.per_call)
+
+    assert timing.seconds(lambda: None, Scripted()) == pytest.approx(3e-4, rel=1e-12)
+
+def test_an_empty_product_is_served_by_its_built_in_route_without_measuring():
+    """No rows (or N or K of 0): nothing to time, nothing to choose; the built-in route serves."""
+    args = gemm_args(3)
+    args[0] = args[0][:0]
+    with use_emulated_kernels(), fixed_timings(times_favouring("dequantize+linear")):
+        got = bnb.gemm_4bit.default(*args)
+    assert got.shape == (0, 48) and [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"] == []
+
+
+def test_per_call_hyperparameters_are_no_part_of_the_optimizers_shape_key():
+    """The optimizers' step, learning rate and the other per-call values change every call: one shape
+    key (one measurement) for all of them, else every step would be measured anew."""
+    name = "optimizer_update_32bit"
+    with use_emulated_kernels(), fixed_timings(times_favouring("kernel")):
+        for step, lr in ((1, 1e-3), (2, 5e-4), (3, 1e-4)):
+            args = OTHER_OPS[name]()
+            args[14], args[15] = step, lr
+            ops.op_packet(name)(*args)
+            tuning.reset()  # (as a new process: its call signature is resolved, and its key looked up, again)
+    stored = [k for entries in json.loads(tuning.cache_path().read_text()).values() for k in entries
+              if k.startswith(name)]  # fmt: skip
+    assert len(stored) == 1, stored
+
+
+def test_the_built_in_route_is_a_candidate_whatever_the_exclusion_says(monkeypatch):
+    """BNB_MPS_TUNE_EXCLUDE takes routes out of the candidates, never the built-in one (something must serve)."""
+    monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "mma,bitsandbytes")
+    args = gemm_args(40)
+    with use_emulated_kernels(), fixed_timings(times_favouring("mma")):
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    row = row_of("gemm_4bit")
+    assert row["choice"] == "mma" and set(row["times"]) == {"mma", "dequantize+linear"}, row
+    assert row["left_out"] == {"bitsandbytes": "excluded by BNB_MPS_TUNE_EXCLUDE"}, row
+    assert same_bits(got, gemm_by_hand("mma", args))
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
+def test_dequantize_linear_of_nested_scales_needs_the_8bit_family_verified(monkeypatch, nested):
+    """dequantize+linear runs the 8-bit dequantize kernel on nested block scales: where that family
+    (blockwise_8bit) did not pass verification, it is no candidate of a nested call; a plain call does
+    not run it and keeps the route."""
+    from bnb_mps.ops.verify.verdicts import Verdict
+
+    monkeypatch.setenv(verify.ENV_VAR, "1")
+    monkeypatch.setattr(verify, "verdict", lambda family, tier, executor, **k: Verdict(
+        family, family != "blockwise_8bit", 0.0, *(("case", "wrong") if family == "blockwise_8bit" else ())))
+    args = gemm_args(40, nested=nested)
+    executor = executors.load_tier("emulated")
+    c = candidates.of(ops.OPS["gemm_4bit"], args, executor, "emulated", None)
+    with fixed_timings(times_favouring("dequantize+linear")):
+        choice = tuning.choose(c, "emulated", executor, verified=True)
+    assert choice == ("mma" if nested else "dequantize+linear")
+
+
+@pytest.mark.parametrize("name", ["gemv_4bit", "dequantize_4bit"])
+def test_bitsandbytes_cpu_code_that_depends_on_the_instruction_set_is_no_route(name):
+    """On CPU tensors, bitsandbytes' gemv_4bit and dequantize_4bit read or write another layout on some
+    CPUs (bnb_mps.ops.candidates): however fast, they are no candidate there."""
+    W = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
+    packed, absmax = bnb.quantize_4bit.default(W, 64, "nf4", torch.uint8)
+    if name == "gemv_4bit":
+        args = [torch.randn(1, 64), packed, [24, 64], absmax, F.get_4bit_type("nf4", device="cpu"), 64]
+    else:
+        args = [packed, absmax, 64, "nf4", [24, 64], torch.float32]
+    ops.reset_call_counts()
+    with use_emulated_kernels(), fixed_timings(times_favouring("bitsandbytes")):
+        ops.op_packet(name)(*args)
+    assert ops.call_counts()[name] == {"emulated": 1}
+    rows = [r for r in bnb_mps.tuning_table() if r["op"] == name]  # (none where the kernel is the only route)
+    assert all("bitsandbytes" not in r["times"] for r in rows), rows

@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -374,31 +373,6 @@ def test_the_cache_is_written_read_and_invalidated_by_a_source_change(emulated_t
     emulated_tier.delenv("BNB_MPS_VERIFY")
     verification.reset()
     assert not verification.verdict("int8_quant", "emulated", executor, refresh=True).cached
-
-
-STORE = """
-import sys, time
-from bnb_mps.ops.verify import Verdict, cache
-name, start = sys.argv[1], float(sys.argv[2])
-while time.time() < start:
-    time.sleep(0.001)
-for i in range(30):
-    cache.store(f"{name} key {i}", {"int8_quant": Verdict("int8_quant", True, 0.5, launches=i)})
-"""
-
-
-def test_processes_that_write_the_cache_at_once_keep_each_others_verdicts(tmp_path):
-    """(bnb_mps.json_cache: read-merge-replace under a lock; without it most of these entries are lost.)"""
-    path = tmp_path / "verify.json"
-    env = {**os.environ, verification.CACHE_ENV_VAR: str(path)}
-    start = time.time() + 6.0  # (after every process imported torch)
-    procs = [subprocess.Popen([sys.executable, "-c", STORE, f"p{k}", str(start)], env=env, stderr=subprocess.PIPE,
-                              text=True) for k in range(3)]  # fmt: skip
-    for p in procs:
-        assert p.wait(timeout=300) == 0, p.stderr.read()
-    data = json.loads(path.read_text())
-    assert set(data) == {f"p{k} key {i}" for k in range(3) for i in range(30)}, f"{90 - len(data)} keys lost"
-    assert cache.from_entry("int8_quant", data["p2 key 7"]["int8_quant"]).launches == 7
 
 
 def test_the_cache_file_setting(monkeypatch, tmp_path):

@@ -181,7 +181,7 @@ def _choose(c: Candidates, tier: str, executor, verified: bool, how: str) -> str
             if found.choice in offered:
                 return found.choice
         if how == "1" and _fixed is None:
-            found = _from_entry(_read().get(machine, {}).get(c.key), c.key, tier)
+            found = _from_entry(_cached(machine).get(c.key), c.key, tier)
             if found is not None and found.choice in _offered(c, tier, executor, verified)[0]:
                 _decided[machine, c.key] = _made[machine, c.key] = found
                 return found.choice
@@ -287,6 +287,13 @@ def _machine_key(tier: str, executor=None) -> str:
 
 def _read() -> dict:
     return json_cache.read(cache_path())
+
+
+def _cached(machine: str) -> dict:
+    """The cache's entries for `machine` ({} where the file is missing, unreadable, malformed, or holds
+    no object for it): a cache that cannot be read means measuring, never a failed call."""
+    entries = _read().get(machine)
+    return entries if isinstance(entries, dict) else {}
 
 
 def _store(machine: str, d: Decision) -> None:
