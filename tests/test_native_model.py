@@ -135,12 +135,13 @@ def test_the_native_tier_computes_the_emulated_tiers_bits(model, tier, monkeypat
             fam.assert_same_bits(got, want, name)
 
 
-def test_results_exist_only_after_the_synchronization_when_the_gpu_runs_late(model, tier):
+def test_results_exist_only_after_the_synchronization_when_the_gpu_runs_late(model, tier, monkeypatch):
     """Deferred: nothing runs before its command buffer is committed, so an op that read one of its
     results on the host (a synchronization inside the op, which the native path must never do)
     would read what was there before; the 4-bit family's plain cases still pass, synchronized only
     at the end. (Not the cases where torch's own ops work on a kernel's output, a copy into a
     transposed `out=`: on a Mac they follow on the same stream, here they run on the host at once.)"""
+    monkeypatch.setenv("BNB_MPS_TUNE", "0")  # (the built-in routes: tuning's routes include bitsandbytes' CPU code here)
     model.set_deferred(True)
     x = torch.zeros(64)
     add = metal_model.MpsBindings(built_native(model).compile_library(ADD_ONE), model)
@@ -278,6 +279,9 @@ def test_tuning_on_the_native_tier_times_batches_by_their_command_buffers_gpu_ti
 
     monkeypatch.setenv(tuning.ENV_VAR, "1")
     monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "bitsandbytes")
+    for name in ("current_stream", "default_stream"):  # (torch >= 2.15's streams: a CPU build cannot make one)
+        if hasattr(torch.mps, name):
+            monkeypatch.setattr(torch.mps, name, lambda: 0)
     monkeypatch.setenv(tuning.CACHE_ENV_VAR, str(tmp_path / "tune.json"))
     batches = []
     real = clocks.CommandBufferClock.batch

@@ -275,8 +275,8 @@ def test_whatever_first_use_raises_the_built_in_route_serves_and_nothing_is_kept
     args = small_gemm()
     with use_emulated_kernels() as kernels:
         got = bnb.gemm_4bit.default(*copy.deepcopy(args))
-    assert kernels.launched == ["bnb_gemm_4bit_batch_nested_f32"] and bnb_mps.tuning_table() == []
-    assert same_bits(got, gemm_by_hand("batch", args)) and not tuning.cache_path().exists()
+    assert kernels.launched == ["bnb_gemm_4bit_small_nested_f32"] and bnb_mps.tuning_table() == []
+    assert same_bits(got, gemm_by_hand("small", args)) and not tuning.cache_path().exists()
 
 def test_switch_0_keeps_the_built_in_order_and_excluded_routes_are_no_candidates(monkeypatch):
     args = gemm_args(40)
@@ -636,7 +636,7 @@ def test_a_cached_choice_is_checked_against_todays_candidates(monkeypatch, kept_
             kernels.clear()
             got = bnb.gemm_4bit.default(*copy.deepcopy(args))
     (row,) = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit" and r["choice"] != "dequantize+linear"]
-    assert not row["cached"] and row["choice"] in ("gemv", "gemv/tglut", "batch", "mma"), row
+    assert not row["cached"] and row["choice"] in ("gemv", "gemv/tglut", "batch", "small", "small/wide", "mma"), row
     assert row["left_out"] == dict.fromkeys(["dequantize+linear", "bitsandbytes"], "excluded by BNB_MPS_TUNE_EXCLUDE")
     assert len(kernels.launched) == 1 and kernels.launched[0].startswith("bnb_g"), kernels.launched  # (one product)
     assert same_bits(got, gemm_by_hand(row["choice"], args))

@@ -38,7 +38,7 @@ __all__ = ["ModelledDeadlock", "ModelledMPS", "VERSIONS", "use_modelled_mps"]
 _C_FUNCTIONS = ("_has_mps", "_mps_is_available", "_mps_acquireEvent", "_mps_releaseEvent", "_mps_recordEvent",
                 "_mps_waitForEvent", "_mps_queryEvent", "_mps_synchronizeEvent", "_mps_elapsedTimeOfEvents",
                 "_mps_deviceSynchronize", "_mps_compileShader")  # fmt: skip
-_STREAM_API = ("Stream", "current_stream", "default_stream", "stream")
+_STREAM_API = ("Stream", "current_stream", "default_stream", "stream", "set_stream")
 _active = False
 
 
@@ -81,8 +81,13 @@ def _stream_api(rt: Runtime) -> dict:
         finally:
             rt.current_stream = before
 
+    def set_stream(s) -> None:
+        if s is not None:
+            rt.current_stream = s._stream
+
     return {"Stream": lambda: _ModelledStream(rt), "current_stream": lambda: _ModelledStream(rt, rt.current_stream),
-            "default_stream": lambda: _ModelledStream(rt, rt.default_stream), "stream": stream}  # fmt: skip
+            "default_stream": lambda: _ModelledStream(rt, rt.default_stream), "stream": stream,
+            "set_stream": set_stream}  # fmt: skip
 
 
 def _forget_availability() -> None:
@@ -143,7 +148,9 @@ def use_modelled_mps(torch_version: str = "2.13") -> Iterator[ModelledMPS]:
         for name, value in functions.items():
             setattr(torch._C, name, value)
         torch_event.Event.__init__ = tracked_init
-        if behaviour.public_streams:
+        # The stream API of the modelled version; also where the running torch's own Python layer has one
+        # (torch >= 2.15: Event.record() asks it for the current stream, which a CPU build cannot make).
+        if behaviour.public_streams or hasattr(torch.mps, "current_stream"):
             for name, value in _stream_api(rt).items():
                 setattr(torch.mps, name, value)
         torch.__version__ = type(saved_version)(behaviour.version)  # (torch's TorchVersion, a str)
