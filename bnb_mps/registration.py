@@ -19,7 +19,8 @@ import warnings
 
 import torch
 
-NAMESPACE = "bitsandbytes"
+from . import stock
+from .stock import NAMESPACE, stock_kernel  # noqa: F401  (stock_kernel: part of this module's interface)
 
 # Every schema bnb_mps serves, with its argument names as bitsandbytes 0.50 defines them.
 SCHEMAS: dict[str, tuple[str, ...]] = {
@@ -54,17 +55,6 @@ _libraries: dict[str, torch.library.Library] = {}
 _names: dict[str, list[str]] = {}
 _executors: dict[str, object] = {}
 _skipped: dict[str, str] = {}
-#: (dispatch key, schema) -> bitsandbytes' own kernel for that key, captured before bnb_mps' own
-#: took its place (None where bitsandbytes has none): what serves a call bnb_mps' kernels do not cover
-_stock: dict[tuple[str, str], object] = {}
-
-
-def _schema(name: str):
-    base, _, overload = name.partition(".")
-    try:
-        return torch._C._get_schema(f"{NAMESPACE}::{base}", overload)
-    except RuntimeError:
-        return None
 
 
 def _make_kernel(name: str, dispatch_key: str, executor):
@@ -76,7 +66,7 @@ def _make_kernel(name: str, dispatch_key: str, executor):
             from .ops import dispatcher_entry  # the op layer, imported on first use
 
             hand_back = None if executor is not None else functools.partial(leave_to_bitsandbytes, dispatch_key=dispatch_key)
-            call = dispatcher_entry(name, executor, hand_back, stock_kernel(dispatch_key, name))
+            call = dispatcher_entry(name, executor, hand_back, stock.stock_kernel(dispatch_key, name))
         return call(args, kwargs)
 
     kernel.__name__ = kernel.__qualname__ = "bnb_mps_" + name.replace(".", "_")
@@ -105,38 +95,9 @@ def register(dispatch_key: str = "MPS", executor=None, names=None) -> list[str]:
         return list(_names[dispatch_key])
 
 
-def _capture_stock(dispatch_key: str, name: str) -> None:
-    """Keep bitsandbytes' own kernel of `name` for `dispatch_key` (its backend's, or its default
-    kernel), as the dispatcher computes it while bnb_mps' is not registered, unless kept already."""
-    if (dispatch_key, name) in _stock:
-        return
-    qualified = f"{NAMESPACE}::{name}"
-    found = None
-    get_kernel = getattr(torch.library, "get_kernel", None)  # (torch >= 2.9)
-    if get_kernel is not None and _schema(name) is not None:
-        try:
-            if torch._C._dispatch_has_computed_kernel_for_dispatch_key(qualified, dispatch_key):
-                found = get_kernel(qualified, dispatch_key)
-        except RuntimeError:
-            found = None
-    _stock[dispatch_key, name] = found
-
-
-def stock_kernel(dispatch_key: str, name: str):
-    """bitsandbytes' own implementation of schema `name` for `dispatch_key`, as a function of the
-    call's positional arguments, or None where bitsandbytes has none (or torch cannot hand it out):
-    it serves the calls whose arguments bitsandbytes accepts but bnb_mps' kernels do not cover."""
-    kernel = _stock.get((dispatch_key, name))
-    if kernel is None:
-        return None
-    keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, dispatch_key))
-    call_boxed = kernel.call_boxed
-    return lambda *args: call_boxed(keyset, *args)
-
-
 def _install(dispatch_key: str, executor, wanted: list[str]) -> None:
     for name in wanted:  # (before bnb_mps' own kernels take their place)
-        _capture_stock(dispatch_key, name)
+        stock.capture(dispatch_key, name)
     lib = torch.library.Library(NAMESPACE, "IMPL")
     try:
         with warnings.catch_warnings():
@@ -154,7 +115,7 @@ def _install(dispatch_key: str, executor, wanted: list[str]) -> None:
 
 def schema_mismatch(name: str):
     """Why bnb_mps cannot serve bitsandbytes' current schema `name`, or None if it can."""
-    schema = _schema(name)
+    schema = stock.schema(name)
     if schema is None:
         return "bitsandbytes does not define this schema"
     got = tuple(a.name for a in schema.arguments)
@@ -224,7 +185,7 @@ def bitsandbytes_schemas() -> list[str]:
     """Every op schema defined in the bitsandbytes namespace ("quantize_4bit", "gemv_4bit.out", ...)."""
     prefix = f"{NAMESPACE}::"
     names = (n[len(prefix) :] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
-    return sorted(n for n in names if _schema(n) is not None)  # (registered kernels alone list a name too)
+    return sorted(n for n in names if stock.schema(n) is not None)  # (registered kernels alone list a name too)
 
 
 def unknown_schemas() -> list[str]:

@@ -94,8 +94,9 @@ def test_entry_point_is_silent_and_cheap_on_linux():
     print(f"bnb_mps entry point: {cost_ms:.2f} ms")
     loaded = with_ep.stdout.split("LOADED")[1].strip()
     # the registration, and the hooks it installs (the paged-optimizer functions, AdEMAMix8bit's state
-    # load: a few wrapped functions); the version (a constant)
-    want = "['bnb_mps', 'bnb_mps._version', 'bnb_mps.ademamix_layout', 'bnb_mps.paged', 'bnb_mps.registration']"
+    # load: a few wrapped functions); the version (a constant); bitsandbytes' own kernels it keeps (stock)
+    want = ("['bnb_mps', 'bnb_mps._version', 'bnb_mps.ademamix_layout', 'bnb_mps.paged', 'bnb_mps.registration', "
+            "'bnb_mps.stock']")
     assert loaded == want, loaded
 
 

@@ -61,7 +61,7 @@ def cpu_call(name: str, args: list):
         out.copy_(cpu_call(base, inputs))
         return None
     if _has_cpu_kernel(name):
-        from ..registration import stock_kernel
+        from ..stock import stock_kernel
 
         # bitsandbytes' own CPU kernel, also where bnb_mps is registered for the CPU key (its emulated
         # tier in tests, bnb_mps.modelled_mps): never bnb_mps' kernels, which this must check
