@@ -277,6 +277,17 @@ FAULTS = [
     Fault("DC9", "bnb_mps/demo/check.py", "rel = d.amax(dim=-1) / want.double().abs().amax(dim=-1).clamp_min(1e-30)",
           "rel = d.amax(dim=-1) / want.double().abs().amax().clamp_min(1e-30)", (DEMO_CHECK,),
           "the relative difference is per position"),
+    # -- the CUDA comparison (issue 33): the arithmetic brought to CUDA's --------------------------------------
+    Fault("CU1", "csrc/kernels/int8.h", "metal::precise::divide(float(T(x * 127.0f)), col_max)",
+          "metal::precise::divide(x * 127.0f, col_max)", ("tests/test_cuda_golden.py", "-k", "int8"),
+          "int8_double_quant's column codes round x * 127 to A's dtype first, as CUDA's torch ops do"),
+    Fault("CU2", "csrc/kernels/int8.h",
+          "metal::precise::divide(127.0f, m) : 127.0f * metal::precise::divide(1.0f, m);",
+          "metal::precise::divide(127.0f, m) : metal::precise::divide(127.0f, m);",
+          ("tests/test_kernels_int8.py", "-k", "vectorwise"), "the int8 row scale is 127 * fl32(1 / max), as CUDA's"),
+    Fault("CU3", "bnb_mps/ademamix_layout.py", "out[blocks:] = flat[blocks - 1 : 2 * blocks - 1]",
+          "out[blocks:] = flat[blocks : 2 * blocks]", ("tests/test_ademamix_layout.py",),
+          "AdEMAMix8bit's slow-EMA scales read from CUDA's overlapping layout"),
 ]
 
 

@@ -51,14 +51,13 @@ class TorchBehaviour:
     public_streams: bool
     #: torch.mps.synchronize() raises an earlier command buffer's error (once)
     synchronize_raises_buffer_errors: bool
-    #: torch._int_mm runs on mps
-    int_mm_on_mps: bool
+    # (torch._int_mm on mps from 2.15 needs no field: bnb-mps reads torch.__version__, which the model sets)
 
 
 VERSIONS = {
-    "2.13": TorchBehaviour("2.13.0", True, False, False, False),
-    "2.14": TorchBehaviour("2.14.1", True, False, False, False),
-    "2.15": TorchBehaviour("2.15.0", False, True, True, True),
+    "2.13": TorchBehaviour("2.13.0", True, False, False),
+    "2.14": TorchBehaviour("2.14.1", True, False, False),
+    "2.15": TorchBehaviour("2.15.0", False, True, True),
 }
 
 
