@@ -57,3 +57,15 @@ def require_tool(name: str, *commands: str) -> str:
             return path
     missing(name, f"none of {', '.join(commands or (name,))} on PATH")
     raise AssertionError("unreachable")
+
+
+def profile_compiler() -> str:
+    """The clang++ that builds the emulator's profiling modules (clang-16, which setup_env.sh installs);
+    a missing one skips the test, and fails it under CI."""
+    from bnb_mps import emulator
+    from bnb_mps.emulator import build
+
+    try:
+        return build.find_profile_compiler()
+    except emulator.CompileError as e:
+        missing("clang++ for the emulator's profiler", str(e))

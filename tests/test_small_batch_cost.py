@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from extras import profile_compiler
 import torch
 
 from script_loader import load_script
@@ -25,13 +27,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @pytest.fixture(scope="module")
 def profiler():
-    from bnb_mps import emulator
-    from bnb_mps.emulator import build
-
-    try:
-        build.find_profile_compiler()
-    except emulator.CompileError as e:
-        pytest.skip(str(e))
+    profile_compiler()
     return cm
 
 
