@@ -139,7 +139,8 @@ SMALL_MAX_M = 32
 
 #: route names of the kernel paths and variants -> the multiple of K their kernel needs (nibbles per
 #: lane per step of the gemv, batch and small kernels; the mma kernel addresses nibbles one by one)
-PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "small": 16, "small/wide": 16, "mma": 1}
+PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "small": 16, "small/wide": 16, "splitk": 16,
+                   "mma": 1}
 
 # Rows of A up to which the gemv and batch kernels are worth measuring against the others: the gemv
 # kernel reads the whole weight once per row of A, the batch kernel once per 8 rows, the small and
@@ -152,6 +153,11 @@ BATCH_CANDIDATE_MAX_M = 32
 _ROWS_PER_TG = 8  # weight rows per threadgroup in the gemv / batch kernels
 _BATCH_M = 8  # rows of A per threadgroup in the batch kernel
 _SMALL_ROWS_PER_TG = 16  # weight rows per threadgroup in the small kernel (all M rows of A)
+_SPLITK_ALIGN = 256  # the split-K kernel's slices of K start at multiples of this
+# The split-K kernel is the built-in path for 2 <= M <= 32 from this K on (two slices of 256 at least,
+# and less modelled traffic than the small kernel's from there: docs/small-batch.md), and a route
+# from there.
+SPLITK_MIN_K = 2 * _SPLITK_ALIGN
 _MMA_BM, _MMA_BN = 32, 64  # output tile of the mma kernel (rows of A x rows of W)
 
 _TABLES = {"code": 0, "nf4": 1, "fp4": 2}
@@ -160,13 +166,35 @@ _FLAG_BIAS, _FLAG_AVEC = 1, 2
 
 
 def choose_path(M: int, N: int, K: int) -> str:
-    """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "small", "batch" or "mma" (shapes
-    only)."""
+    """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "splitk", "small", "batch" or
+    "mma" (shapes only)."""
     if M <= GEMV_MAX_M and K % PATH_K_MULTIPLE["gemv"] == 0:
         return "gemv"
     if M <= SMALL_MAX_M and K % PATH_K_MULTIPLE["small"] == 0:
-        return "small" if M > 1 else "batch"  # (M = 1 with K % 32 == 16: the gemv kernel's walk, 8 rows)
+        if M == 1:
+            return "batch"  # (M = 1 with K % 32 == 16: the gemv kernel's walk, 8 rows)
+        return "splitk" if K >= SPLITK_MIN_K else "small"
     return "mma"
+
+
+def splitk_splits(M: int, K: int, itemsize: int) -> int:
+    """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`: of 2, 4
+    and 8 (slices of 256 or more), the one the cost model charges least (docs/small-batch.md). Per
+    output column, a tile of 16 S columns over ceil(N / (16 S)) x S threadgroups reads its slice of A's
+    M rows (ceil(K / (256 S)) x 256 x itemsize bytes per row) once per 16 columns, moves 2 S - 1 partial
+    sums of 4 bytes per row of A (S written, S - 1 read by the threadgroup that adds them), and, while
+    a weight row's 8-bit scales (K / 64 bytes) are shorter than a 128-byte line, reads those S times.
+    1 where K < 512 (no split)."""
+    best, best_cost = 1, None
+    for S in (2, 4, 8):
+        if K < S * _SPLITK_ALIGN:
+            break
+        span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
+        scales = K / 64 * (S if K < 64 * 128 else 1)
+        cost = M * (span * itemsize / _SMALL_ROWS_PER_TG + 4 * (2 * S - 1)) + scales
+        if best_cost is None or cost < best_cost:
+            best, best_cost = S, cost
+    return best
 
 
 def paths(M: int, N: int, K: int) -> tuple[str, ...]:
@@ -177,8 +205,9 @@ def paths(M: int, N: int, K: int) -> tuple[str, ...]:
         return (default,)
     valid = [p for p, limit in (("gemv", GEMV_CANDIDATE_MAX_M), ("gemv/tglut", GEMV_CANDIDATE_MAX_M),
                                 ("batch", BATCH_CANDIDATE_MAX_M), ("small", SMALL_MAX_M),
-                                ("small/wide", SMALL_MAX_M), ("mma", None))
-             if (limit is None or M <= limit) and K % PATH_K_MULTIPLE[p] == 0]  # fmt: skip
+                                ("small/wide", SMALL_MAX_M), ("splitk", SMALL_MAX_M), ("mma", None))
+             if (limit is None or M <= limit) and K % PATH_K_MULTIPLE[p] == 0
+             and (p != "splitk" or K >= SPLITK_MIN_K)]  # fmt: skip
     return (default, *(p for p in valid if p != default))
 
 
@@ -229,7 +258,7 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     if path not in PATH_K_MULTIPLE or K % PATH_K_MULTIPLE[path]:
         raise ValueError(f"{b.op}: route {path!r} cannot compute a product with K = {K} (routes: "
                          f"{', '.join(f'{p} (K % {k} == 0)' for p, k in PATH_K_MULTIPLE.items())})")
-    if path.startswith("small") and M > SMALL_MAX_M:
+    if (path.startswith("small") or path == "splitk") and M > SMALL_MAX_M:
         raise ValueError(f"{b.op}: route {path!r} computes at most {SMALL_MAX_M} rows of A, got M = {M}")
     if M == 0 or N == 0 or K == 0:  # K == 0: an empty sum, only the bias (see _empty_sum)
         return
@@ -255,6 +284,7 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     bias_ref = flat_arg(b, bias[0], bias[1]) if bias is not None else scales
     dt = DTYPE_NAMES[A.dtype]
     sc = "nested" if nested is not None else "absmax"
+    extra: list = []  # the split-K kernel's arguments after the common ones
     if path in ("gemv", "gemv/tglut"):
         variant = "_tglut" if path == "gemv/tglut" else ""
         name = f"bnb_gemv_4bit{variant}_{sc}_{dt}"
@@ -266,6 +296,16 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
         variant, rows = ("_wide", _ROWS_PER_TG) if path == "small/wide" else ("", _SMALL_ROWS_PER_TG)
         name = f"bnb_gemm_4bit_small{variant}_{sc}_{dt}"
         grid, threads = (math.ceil(N / rows), 1, 1), (8 * rows, 1, 1)
+    elif path == "splitk":
+        name = f"bnb_gemm_4bit_splitk_{sc}_{dt}"
+        S = splitk_splits(M, K, A.element_size())
+        tiles = math.ceil(N / (_SMALL_ROWS_PER_TG * S))
+        grid, threads = (tiles, S, 1), (128, 1, 1)
+        partials = tiles * S * M * _SMALL_ROWS_PER_TG * S
+        check_size(b.op, "the split-K workspace", partials)
+        work = b.workspace("splitk partial sums", partials, torch.float32)
+        counters = b.workspace("splitk counters", tiles, torch.int32, zeroed=True)
+        extra = [uint32(S), work, counters]
     else:
         name = f"bnb_gemm_4bit_mma_{sc}_{dt}"
         grid, threads = (math.ceil(M / _MMA_BM), math.ceil(N / _MMA_BN), 1), (128, 1, 1)
@@ -274,7 +314,7 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
         [
             A_ref, aligned_arg(b, 1, B), scales, *nested_refs, code_ref, bias_ref, out,
             uint32(M), uint32(N), uint32(K), uint32(lda), uint32(blocksize.bit_length() - 1),
-            uint32(_TABLES[table]), uint32(offset_kind), uint32(flags),
+            uint32(_TABLES[table]), uint32(offset_kind), uint32(flags), *extra,
         ],
     )  # fmt: skip
 

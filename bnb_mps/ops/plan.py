@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from ..kernel_args import Scalar
+from .workspace import workspace
 
 Tensor = torch.Tensor
 
@@ -127,6 +128,9 @@ class Plan:
     result: Optional[Callable[[tuple], Any]]
     #: run after the launches with (arguments as prepared, outputs): work a plan does without a kernel
     finish: Optional[Callable[[list, tuple], None]] = None
+    #: per-device workspaces ((kind, numel, dtype, zeroed), ...; bnb_mps.ops.workspace), after the
+    #: constants in the pool: taken once when the plan is bound, never per call
+    workspaces: tuple = ()
 
 
 @dataclass
@@ -145,6 +149,7 @@ class PlanBuilder:
     _write_back: list = field(default_factory=list)
     _constants: list = field(default_factory=list)
     _launches: list = field(default_factory=list)
+    _workspaces: list = field(default_factory=list)
 
     def arg(self, i: int, prepare: Optional[Callable[[Tensor], Tensor]] = None, *, write_back: bool = False):
         """Argument `i`, bound as it is, or as `prepare(argument)` when given (copied back into the
@@ -165,6 +170,12 @@ class PlanBuilder:
             raise IndexError(f"{self.op}: per-call scalar {k} of {self.n_dynamic}")
         return ("dyn", k)
 
+    def workspace(self, kind: str, numel: int, dtype, zeroed: bool = False) -> tuple:
+        """A view of at least `numel` elements of the device's workspace `kind` (bnb_mps.ops.workspace),
+        taken when the plan is bound: shared between plans and calls, never allocated per call."""
+        self._workspaces.append((kind, int(numel), dtype, zeroed))
+        return ("work", len(self._workspaces) - 1)
+
     def launch(self, kernel: str, grid, threadgroup, args: Sequence) -> None:
         picks = []
         for a in args:
@@ -180,7 +191,9 @@ class PlanBuilder:
     def build(self, result=None, finish=None) -> Plan:
         """`result`: None, an output reference, a tuple of them, or a function of the outputs tuple."""
         n_out, n_dyn, n_const = len(self._outputs), self.n_dynamic, len(self._constants)
-        base = {"out": 0, "dyn": n_out, "const": n_out + n_dyn, "arg": n_out + n_dyn + n_const}
+        n_work = len(self._workspaces)
+        base = {"out": 0, "dyn": n_out, "const": n_out + n_dyn, "work": n_out + n_dyn + n_const,
+                "arg": n_out + n_dyn + n_const + n_work}
 
         def pos(ref):
             return base[ref[0]] + ref[1]
@@ -193,7 +206,8 @@ class PlanBuilder:
         else:
             get = operator.itemgetter(result[1])
         return Plan(tuple(self._outputs), self.device, tuple(self._prepare), tuple(self._write_back),
-                    tuple(self._constants), n_dyn, self.dynamic_base, launches, get, finish)  # fmt: skip
+                    tuple(self._constants), n_dyn, self.dynamic_base, launches, get, finish,
+                    tuple(self._workspaces))  # fmt: skip
 
 
 class BoundPlan:
@@ -212,7 +226,8 @@ class BoundPlan:
             for L in plan.launches
         )  # fmt: skip
         self._allocate = _allocator(plan.outputs, plan.device)
-        self._constants = plan.constants
+        # (the workspaces sit in the pool after the constants: one tuple, taken once)
+        self._constants = plan.constants + _workspaces(plan.workspaces, plan.device)
         self._simple = not (plan.prepare or plan.write_back or plan.finish)
 
     def __call__(self, args: tuple):
@@ -247,6 +262,10 @@ def _allocator(outputs: tuple, device) -> Callable[[], tuple]:
         ((shape, dtype),) = outputs
         return lambda: (empty(shape, dtype=dtype, device=device),)
     return lambda: tuple([empty(shape, dtype=dtype, device=device) for shape, dtype in outputs])
+
+
+def _workspaces(wanted: tuple, device) -> tuple:
+    return tuple(workspace(device, kind, numel, dtype, zeroed) for kind, numel, dtype, zeroed in wanted)
 
 
 def _prepared(executor, launch: Launch) -> Callable[..., None]:

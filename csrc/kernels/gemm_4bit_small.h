@@ -41,31 +41,15 @@
 #define BNB_SMALL_CHUNK 16u   // nibbles per lane per step
 #define BNB_SMALL_KS 128u     // K per step: BNB_SMALL_LANES * BNB_SMALL_CHUNK
 
-// Grid: (ceil(N / (4 * SIMDS)), 1, 1) threadgroups of 32 * SIMDS threads. Needs K % 16 == 0 and
-// 1 <= M <= 32.
+// The sums of one group of 4 x SIMDS weight rows over K in [k_begin, k_end) for rows 0..mcount of A,
+// as the steps above describe: this lane's weight row starts at `base` (row * K); on return v[i] holds
+// row i's sum (the same in the 8 lanes of a weight row) for i < mcount. Every thread of the
+// threadgroup calls it with the same k_begin, k_end and mcount (it has barriers); k_begin % 128 == 0.
 template <typename T, bool NESTED, uint SIMDS>
-[[kernel]] void bnb_gemm_4bit_small(
-    device const T* A [[buffer(0)]],
-    device const uchar* B [[buffer(1)]],
-    device const float* absmax [[buffer(2)]],
-    device const uchar* absmax_8bit [[buffer(3)]],
-    device const float* absmax_code [[buffer(4)]],
-    device const uchar* absmax_offset [[buffer(5)]],
-    constant float* code [[buffer(6)]],
-    device const T* bias [[buffer(7)]],
-    device T* out [[buffer(8)]],
-    constant uint& M [[buffer(9)]],
-    constant uint& N [[buffer(10)]],
-    constant uint& K [[buffer(11)]],
-    constant uint& lda [[buffer(12)]],
-    constant uint& block_shift [[buffer(13)]],
-    constant uint& table [[buffer(14)]],
-    constant uint& offset_kind [[buffer(15)]],
-    constant uint& flags [[buffer(16)]],
-    uint2 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]]) {
+inline void bnb_small_sums(device const T* A, device const uchar* B, device const float* absmax,
+                           device const uchar* absmax_8bit, device const float* absmax_code, constant float* lut,
+                           float offset, uint lda, uint block_shift, uint mcount, uint base, uint k_begin,
+                           uint k_end, threadgroup T* a_tile, uint tid, uint q, thread float* v) {
     constexpr uint MT = BNB_SMALL_M;
     constexpr uint C = BNB_SMALL_CHUNK;
     constexpr uint KS = BNB_SMALL_KS;
@@ -73,15 +57,6 @@ template <typename T, bool NESTED, uint SIMDS>
     static_assert(BNB_SMALL_LANES * BNB_SMALL_CHUNK == BNB_SMALL_KS, "a step is one chunk per lane of a row");
     static_assert(BNB_SMALL_ROWS * BNB_SMALL_LANES == 32u, "a simdgroup's lanes cover its rows");
     static_assert(KS % THREADS == 0u, "each thread stages the same number of columns per step");
-    threadgroup T a_tile[MT * KS];
-
-    constant float* lut = bnb_mm_table(code, table);
-    const float offset = NESTED ? bnb_mm_offset(absmax_offset, offset_kind) : 0.0f;
-    const uint mcount = min(M, MT);  // (the op layer never launches more rows)
-    const uint q = lane % BNB_SMALL_LANES;
-    const uint row = tg.x * (SIMDS * BNB_SMALL_ROWS) + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES;
-    // Rows past N read row N - 1 (never stored), so that every lane takes the same path.
-    const uint base = min(row, N - 1u) * K;
 
     // Two accumulators per row of A, for even and odd K steps (two arrays, each indexed only by the
     // unrolled row loop, so that both stay in registers).
@@ -92,21 +67,21 @@ template <typename T, bool NESTED, uint SIMDS>
         acc_odd[i] = 0.0f;
     }
     bool odd = false;
-    for (uint k0 = 0; k0 < K; k0 += KS) {
-        // 1. Stage A[0..M)[k0, k0 + KS), zero past K.
+    for (uint k0 = k_begin; k0 < k_end; k0 += KS) {
+        // 1. Stage A[0..M)[k0, k0 + KS), zero past k_end.
         threadgroup_barrier(mem_flags::mem_threadgroup);  // (the previous step's reads are done)
         for (uint c = tid; c < KS; c += THREADS) {
             const uint kc = k0 + c;
             for (uint i = 0; i < MT; ++i) {
                 if (i < mcount) {
-                    a_tile[i * KS + c] = kc < K ? A[i * lda + kc] : T(0.0f);
+                    a_tile[i * KS + c] = kc < k_end ? A[i * lda + kc] : T(0.0f);
                 }
             }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         // 2. This lane's 16 weights of its row.
         const uint k = k0 + q * C;
-        if (k < K) {
+        if (k < k_end) {
             const uint idx = base + k;
             uint wq[C / 8u];
             bnb_mm_chunk<C>(B, idx, wq);
@@ -137,14 +112,55 @@ template <typename T, bool NESTED, uint SIMDS>
     }
     for (uint i = 0; i < MT; ++i) {
         if (i < mcount) {  // uniform over the threadgroup
-            float v = acc_even[i] + acc_odd[i];
-            v += simd_shuffle_xor(v, 4u);
-            v += simd_shuffle_xor(v, 2u);
-            v += simd_shuffle_xor(v, 1u);
-            // The 8 lanes of a row hold the same sum: lane q stores rows i = q, q + 8, ...
-            if (i % BNB_SMALL_LANES == q && row < N) {
-                bnb_mm_store(out, bias, flags, i, row, N, v);
-            }
+            float u = acc_even[i] + acc_odd[i];
+            u += simd_shuffle_xor(u, 4u);
+            u += simd_shuffle_xor(u, 2u);
+            u += simd_shuffle_xor(u, 1u);
+            v[i] = u;
+        }
+    }
+}
+
+// Grid: (ceil(N / (4 * SIMDS)), 1, 1) threadgroups of 32 * SIMDS threads. Needs K % 16 == 0 and
+// 1 <= M <= 32.
+template <typename T, bool NESTED, uint SIMDS>
+[[kernel]] void bnb_gemm_4bit_small(
+    device const T* A [[buffer(0)]],
+    device const uchar* B [[buffer(1)]],
+    device const float* absmax [[buffer(2)]],
+    device const uchar* absmax_8bit [[buffer(3)]],
+    device const float* absmax_code [[buffer(4)]],
+    device const uchar* absmax_offset [[buffer(5)]],
+    constant float* code [[buffer(6)]],
+    device const T* bias [[buffer(7)]],
+    device T* out [[buffer(8)]],
+    constant uint& M [[buffer(9)]],
+    constant uint& N [[buffer(10)]],
+    constant uint& K [[buffer(11)]],
+    constant uint& lda [[buffer(12)]],
+    constant uint& block_shift [[buffer(13)]],
+    constant uint& table [[buffer(14)]],
+    constant uint& offset_kind [[buffer(15)]],
+    constant uint& flags [[buffer(16)]],
+    uint2 tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+    threadgroup T a_tile[BNB_SMALL_M * BNB_SMALL_KS];
+    constant float* lut = bnb_mm_table(code, table);
+    const float offset = NESTED ? bnb_mm_offset(absmax_offset, offset_kind) : 0.0f;
+    const uint mcount = min(M, BNB_SMALL_M);  // (the op layer never launches more rows)
+    const uint q = lane % BNB_SMALL_LANES;
+    const uint row = tg.x * (SIMDS * BNB_SMALL_ROWS) + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES;
+    // Rows past N read row N - 1 (never stored), so that every lane takes the same path.
+    const uint base = min(row, N - 1u) * K;
+    float v[BNB_SMALL_M];
+    bnb_small_sums<T, NESTED, SIMDS>(A, B, absmax, absmax_8bit, absmax_code, lut, offset, lda, block_shift, mcount,
+                                     base, 0u, K, a_tile, tid, q, v);
+    for (uint i = 0; i < BNB_SMALL_M; ++i) {
+        // The 8 lanes of a row hold the same sum: lane q stores rows i = q, q + 8, ...
+        if (i < mcount && i % BNB_SMALL_LANES == q && row < N) {
+            bnb_mm_store(out, bias, flags, i, row, N, v[i]);
         }
     }
 }

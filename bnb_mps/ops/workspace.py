@@ -1,0 +1,44 @@
+"""Per-device workspaces: buffers a kernel needs between its threadgroups, allocated once per device
+and reused by every call, never per call.
+
+The one user is the split-K 4-bit product (csrc/kernels/gemm_4bit_splitk.h): float32 partial sums of
+a few output tiles and one counter per tile. A plan asks for a workspace of at least some size
+(`PlanBuilder.workspace`); the plan, once bound, holds a view of the device's buffer of that kind, the
+buffer grown (a new one, at least twice the old size) when a plan needs more than it has. Plans
+bound earlier keep the buffer they hold, so each call is one key lookup and no allocation. Zeroed
+buffers (the counters) are zero when allocated; the kernel leaves them zero after each call.
+
+Calls of one device run in stream order (torch's MPS stream, the emulator), so one buffer per device
+and kind serves every plan. Sizes are proportional to outputs (M x N x slices floats), not to weights.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_buffers: dict[tuple, torch.Tensor] = {}  # (device, kind, dtype, zeroed) -> the device's buffer
+
+
+def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
+    """A one-dimensional view of `numel` elements of the device's workspace `kind` (zeros where
+    `zeroed`: the buffer's users leave it as they found it)."""
+    if numel < 0:
+        raise ValueError(f"workspace {kind!r}: numel must be >= 0, got {numel}")
+    key = (torch.device(device), kind, dtype, zeroed)
+    with _lock:
+        buf = _buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            size = max(numel, 2 * buf.numel() if buf is not None else 0, 1)
+            make = torch.zeros if zeroed else torch.empty
+            buf = make(size, dtype=dtype, device=key[0])
+            _buffers[key] = buf
+        return buf[:numel]
+
+
+def release() -> None:
+    """Forget every workspace (plans bound before keep theirs); for tests."""
+    with _lock:
+        _buffers.clear()

@@ -1,0 +1,138 @@
+// 4-bit (NF4 / FP4) products for small batches, 2 <= M <= 32 rows of A, split over K:
+// y = A @ dequant(W).T (+ bias), docs/semantics.md section 4. Layout of W, A, y, the scales and the
+// buffers 0..16: gemm_4bit.h and gemm_4bit.metal.
+//
+//   bnb_gemm_4bit_splitk  Each weight byte and block scale is read once per call, as in the small
+//                         kernel (gemm_4bit_small.h), but a threadgroup does not run over the whole
+//                         of K: the N output columns are cut into tiles of 16 x S columns and K into
+//                         S slices, and threadgroup (tile, slice) computes the tile's columns over its
+//                         slice for all M rows of A. So each threadgroup reads only its slice of A
+//                         (A is read ceil(N / (16 S)) times in all, where the small kernel, with as many
+//                         threadgroups, reads it ceil(N / 16) times), and the grid still has
+//                         ceil(N / (16 S)) x S >= ceil(N / 16) threadgroups, half the gemv kernel's.
+//
+// Why a workspace, and how the slices meet (docs/small-batch.md has the traffic figures). The S
+// partial sums of an output need a place between threadgroups. Each threadgroup writes its tile's
+// M x 16 S float32 partial sums to its own slot of `work`, then counts itself in `counters[tile]`
+// (one relaxed atomic add after a device-memory barrier); the threadgroup that counts last, whichever
+// it is, adds the S slots of every output in slice order (0, 1, ..., S - 1), adds the bias, rounds
+// once to T and resets the counter to 0 for the next call. The sum of an output is thus the same
+// whatever order the threadgroups run in: deterministic, and no threadgroup waits for another (no
+// spin: nothing assumes forward progress between threadgroups). `work` and `counters` are a
+// per-device workspace of the op layer (bnb_mps/ops/workspace.py), allocated once, not per call,
+// and proportional to the output (M x N x S floats), not to the weight; the counters are zero
+// between calls.
+//
+// Inside a slice everything is the small kernel's (bnb_small_sums: A staged per step of 128 in
+// threadgroup memory, 16 weights per lane dequantized once into registers, two alternating float32
+// accumulators per row of A, the 8 lanes of a weight row added pairwise), once per group of 16
+// columns of the tile (S groups; A's slice is staged again per group, lines the threadgroup has
+// already read).
+//
+// Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32 and
+// 1 <= S <= 8; the slices are ceil(K / (256 S)) x 256 long (the last ones may be shorter, or empty:
+// their partial sums are 0).
+#pragma once
+
+#include "gemm_4bit_small.h"
+
+#define BNB_SPLITK_SIMDS 4u     // simdgroups per threadgroup: 16 columns per group
+#define BNB_SPLITK_MAX_S 8u     // slices (and groups of 16 columns per tile) at most
+#define BNB_SPLITK_ALIGN 256u   // slices start at multiples of 256 in K: a 128-byte line of a weight row
+
+template <typename T, bool NESTED>
+[[kernel]] void bnb_gemm_4bit_splitk(
+    device const T* A [[buffer(0)]],
+    device const uchar* B [[buffer(1)]],
+    device const float* absmax [[buffer(2)]],
+    device const uchar* absmax_8bit [[buffer(3)]],
+    device const float* absmax_code [[buffer(4)]],
+    device const uchar* absmax_offset [[buffer(5)]],
+    constant float* code [[buffer(6)]],
+    device const T* bias [[buffer(7)]],
+    device T* out [[buffer(8)]],
+    constant uint& M [[buffer(9)]],
+    constant uint& N [[buffer(10)]],
+    constant uint& K [[buffer(11)]],
+    constant uint& lda [[buffer(12)]],
+    constant uint& block_shift [[buffer(13)]],
+    constant uint& table [[buffer(14)]],
+    constant uint& offset_kind [[buffer(15)]],
+    constant uint& flags [[buffer(16)]],
+    constant uint& splits [[buffer(17)]],
+    device float* work [[buffer(18)]],
+    device atomic_uint* counters [[buffer(19)]],
+    uint2 tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+    constexpr uint SIMDS = BNB_SPLITK_SIMDS;
+    constexpr uint GROUP = SIMDS * BNB_SMALL_ROWS;  // columns per group: 16
+    constexpr uint THREADS = 32u * SIMDS;
+    threadgroup T a_tile[BNB_SMALL_M * BNB_SMALL_KS];
+    threadgroup uint last[1];
+
+    constant float* lut = bnb_mm_table(code, table);
+    const float offset = NESTED ? bnb_mm_offset(absmax_offset, offset_kind) : 0.0f;
+    const uint S = splits;
+    const uint cols = GROUP * S;  // columns per tile
+    const uint mcount = min(M, BNB_SMALL_M);  // (the op layer never launches more rows)
+    const uint q = lane % BNB_SMALL_LANES;
+    const uint tile = tg.x;
+    const uint slice = tg.y;
+    // K per slice, a multiple of 256, so that no line of the packed weight is read by two slices
+    const uint span = (K + BNB_SPLITK_ALIGN * S - 1u) / (BNB_SPLITK_ALIGN * S) * BNB_SPLITK_ALIGN;
+    const uint k_begin = min(K, slice * span);
+    const uint k_end = min(K, k_begin + span);
+    // This threadgroup's slot: [mcount][cols] float32 partial sums.
+    device float* slot = work + (tile * S + slice) * (mcount * cols);
+
+    for (uint g = 0; g < S; ++g) {
+        const uint col = g * GROUP + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES;  // in the tile
+        const uint row = tile * cols + col;  // weight row = output column
+        // Rows past N read row N - 1 (never stored), so that every lane takes the same path.
+        const uint base = min(row, N - 1u) * K;
+        float v[BNB_SMALL_M];
+        bnb_small_sums<T, NESTED, SIMDS>(A, B, absmax, absmax_8bit, absmax_code, lut, offset, lda, block_shift,
+                                         mcount, base, k_begin, k_end, a_tile, tid, q, v);
+        for (uint i = 0; i < BNB_SMALL_M; ++i) {
+            // The 8 lanes of a weight row hold the same sum: lane q stores rows i = q, q + 8, ...
+            if (i < mcount && i % BNB_SMALL_LANES == q && row < N) {
+                slot[i * cols + col] = v[i];
+            }
+        }
+    }
+
+    // Count this threadgroup in, after all of its partial sums are written.
+    threadgroup_barrier(mem_flags::mem_device);
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
+    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+#endif
+    if (tid == 0u) {
+        last[0] = atomic_fetch_add_explicit(&counters[tile], 1u, memory_order_relaxed) == S - 1u ? 1u : 0u;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (last[0] == 0u) {  // (uniform over the threadgroup)
+        return;
+    }
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
+    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+#endif
+    // The last of the tile's S threadgroups: every output of the tile, its slots added in slice order.
+    device const float* tile_work = work + tile * S * (mcount * cols);
+    for (uint e = tid; e < mcount * cols; e += THREADS) {
+        const uint i = e / cols;
+        const uint col = e % cols;
+        const uint n = tile * cols + col;
+        if (n < N) {
+            float v = tile_work[e];
+            for (uint s = 1; s < S; ++s) {
+                v += tile_work[s * (mcount * cols) + e];
+            }
+            bnb_mm_store(out, bias, flags, i, n, N, v);
+        }
+    }
+    if (tid == 0u) {
+        atomic_store_explicit(&counters[tile], 0u, memory_order_relaxed);  // (all S have counted)
+    }
+}
