@@ -52,6 +52,10 @@ PATH_SHAPES = {
     "batch": ((5, 13, 176), "bnb_gemm_4bit_batch"),
     "small": ((20, 21, 400), "bnb_gemm_4bit_small"),  # 400 = 3 * 128 + 16: a last step of 2 active lanes
     "small/wide": ((3, 13, 176), "bnb_gemm_4bit_small_wide"),
+    # 1040 = 4 * 256 + 16: S = 4 slices of 512, 512, 16 and none (an empty slice adds zeros); 70 columns:
+    # two tiles of 64, the second partial
+    "splitk": ((13, 70, 1040), "bnb_gemm_4bit_splitk"),
+    "splitk-S8": ((16, 40, 4096), "bnb_gemm_4bit_splitk"),  # S = 8: eight groups of 16 columns per tile
     "mma": ((37, 70, 72), "bnb_gemm_4bit_mma"),  # two M tiles, two N tiles, 3 K steps (the last a half)
     "mma-any-K": ((3, 11, 45), "bnb_gemm_4bit_mma"),
 }
@@ -268,6 +272,7 @@ ROUNDING_SHAPES = {  # path -> (M, N, K), kernel (the built-in path of that shap
     "batch-M1": ((1, 48, 48), "bnb_gemm_4bit_batch"),  # K % 32 == 16
     "small": ((5, 48, 176), "bnb_gemm_4bit_small"),
     "small/wide": ((5, 48, 176), "bnb_gemm_4bit_small_wide"),
+    "splitk": ((5, 48, 1024), "bnb_gemm_4bit_splitk"),
     "mma": ((40, 48, 128), "bnb_gemm_4bit_mma"),
     "mma-any-K": ((3, 48, 45), "bnb_gemm_4bit_mma"),
 }
@@ -333,7 +338,7 @@ def test_terms_are_products_of_the_dequantized_weights(library, path, nested):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "small", "small/wide", "mma"])
+@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "mma"])
 def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
     """float16 / bfloat16 activations multiply the weight as dequantize_4bit gives it in their dtype,
     T(fl32(table[q] * scale)), as bitsandbytes' dequantize-then-linear path does: with two_term_rows'
@@ -393,25 +398,28 @@ def test_inner_dimension_is_checked():
 def test_switch_points_are_shape_constants():
     assert (matmul_4bit.GEMV_MAX_M, matmul_4bit.SMALL_MAX_M) == (1, 32)
     paths = [matmul_4bit.choose_path(M, 4096, 4096) for M in (1, 2, 8, 9, 32, 33, 512)]
-    assert paths == ["gemv", "small", "small", "small", "small", "mma", "mma"]
+    assert paths == ["gemv", "splitk", "splitk", "splitk", "splitk", "mma", "mma"]
     assert matmul_4bit.choose_path(1, 4096, 4128) == "gemv"  # K % 32 == 0
     assert matmul_4bit.choose_path(1, 4096, 4112) == "batch"  # K % 32 == 16
-    assert matmul_4bit.choose_path(8, 4096, 4112) == "small"
+    assert matmul_4bit.choose_path(8, 4096, 4112) == "splitk"
+    # below two slices of 256 the small kernel (and no split-K route)
+    assert [matmul_4bit.choose_path(8, 4096, K) for K in (496, 512)] == ["small", "splitk"]
+    assert "splitk" not in matmul_4bit.paths(8, 4096, 496) and "small" in matmul_4bit.paths(8, 4096, 512)
     assert matmul_4bit.choose_path(1, 4096, 4100) == "mma"  # K % 16 != 0
     assert matmul_4bit.choose_path(8, 4096, 4100) == "mma"
 
 
 def test_small_routes_refuse_more_rows_than_they_hold():
     packed, absmax = make_weight(Case(1, 8, 64))
-    for route in ("small", "small/wide"):
+    for route in ("small", "small/wide", "splitk"):
         with pytest.raises(ValueError, match=f"gemm_4bit: route '{route}' computes at most 32 rows of A, got M = 33"):
             matmul_4bit.gemm_4bit(NoLaunch(), torch.ones(33, 64), packed, [8, 64], absmax, 64, "nf4", route=route)
 
 
 @pytest.mark.parametrize("M,kernel,grid,threads", [
     (1, "bnb_gemv_4bit_nested_bf16", (512, 1, 1), (64, 1, 1)),
-    (8, "bnb_gemm_4bit_small_nested_bf16", (256, 1, 1), (128, 1, 1)),
-    (32, "bnb_gemm_4bit_small_nested_bf16", (256, 1, 1), (128, 1, 1)),
+    (8, "bnb_gemm_4bit_splitk_nested_bf16", (64, 4, 1), (128, 1, 1)),  # S = 4: tiles of 64 columns
+    (32, "bnb_gemm_4bit_splitk_nested_bf16", (32, 8, 1), (128, 1, 1)),  # S = 8: tiles of 128
     (512, "bnb_gemm_4bit_mma_nested_bf16", (16, 64, 1), (128, 1, 1)),
 ])  # fmt: skip
 def test_launch_geometry(M, kernel, grid, threads):

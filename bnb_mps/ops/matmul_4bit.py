@@ -182,15 +182,15 @@ def splitk_splits(M: int, K: int, itemsize: int) -> int:
     and 8 (slices of 256 or more), the one the cost model charges least (docs/small-batch.md). Per
     output column, a tile of 16 S columns over ceil(N / (16 S)) x S threadgroups reads its slice of A's
     M rows (ceil(K / (256 S)) x 256 x itemsize bytes per row) once per 16 columns, moves 2 S - 1 partial
-    sums of 4 bytes per row of A (S written, S - 1 read by the threadgroup that adds them), and, while
-    a weight row's 8-bit scales (K / 64 bytes) are shorter than a 128-byte line, reads those S times.
-    1 where K < 512 (no split)."""
+    sums of 4 bytes per row of A (S written, S - 1 read by the threadgroup that adds them), and reads
+    the 128-byte lines of a weight row's K / 64 scale bytes once per slice that touches them (S times
+    while they fit in a line, about once plus one line per slice beyond). 1 where K < 512 (no split)."""
     best, best_cost = 1, None
     for S in (2, 4, 8):
         if K < S * _SPLITK_ALIGN:
             break
         span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
-        scales = K / 64 * (S if K < 64 * 128 else 1)
+        scales = min(S * K / 64, K / 64 + 128 * S)
         cost = M * (span * itemsize / _SMALL_ROWS_PER_TG + 4 * (2 * S - 1)) + scales
         if best_cost is None or cost < best_cost:
             best, best_cost = S, cost

@@ -1014,6 +1014,30 @@ bool Worker::resolve_barrier() {
   return true;
 }
 
+// The i-th threadgroup a dispatch runs: in grid order (forward), backwards (reverse), or in an order
+// the seed picks (random: i -> (a i + b) mod total, a coprime with total), so that a kernel whose
+// threadgroups meet through device memory (atomics, a last threadgroup that finishes the work) is
+// tested with the threadgroups arriving in different orders, as a GPU runs them. Workers claim
+// indices concurrently, so the order is only the claim order.
+static uint64_t group_in_order(const Dispatch& d, uint64_t i) {
+  const LaunchRequest& q = *d.req;
+  const uint64_t n = d.total_groups;
+  if (q.order == LaneOrder::Reverse) return n - 1 - i;
+  if (q.order != LaneOrder::Random || n < 2) return i;
+  uint64_t a = (q.seed * 2654435761u) % n | 1u;
+  auto gcd = [](uint64_t x, uint64_t y) {
+    while (y) {
+      const uint64_t t = x % y;
+      x = y;
+      y = t;
+    }
+    return x;
+  };
+  while (gcd(a, n) != 1) ++a;
+  const uint64_t b = (q.seed * 40503u + 7u) % n;
+  return (uint64_t((unsigned __int128)a * i % n) + b) % n;
+}
+
 bool Worker::run_group(uint64_t linear) {
   const LaunchRequest& q = *d->req;
   uint32_t g[3];
@@ -1278,7 +1302,7 @@ class Pool {
             break;
           }
           w.has_pending = false;
-          if (!w.run_group(i)) {
+          if (!w.run_group(group_in_order(*d, i))) {
             w.lanes_ready = 0;
             std::lock_guard<std::mutex> lk(d->mu);
             if (!d->have_fault) {

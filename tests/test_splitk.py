@@ -1,0 +1,107 @@
+"""The split-K 4-bit product (csrc/kernels/gemm_4bit_splitk.h) as a protocol between threadgroups: the
+last threadgroup of a tile adds the tile's partial sums in slice order, so the output has the same bits
+whichever threadgroup arrives last; it leaves the tile's counter at 0, so the per-device workspace
+(bnb_mps.ops.workspace) serves the next call of any shape without being cleared; and a call allocates
+its output only. Values are checked against the float64 reference of docs/semantics.md section 4
+(tests/reference_matmul_4bit.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_matmul_4bit as R
+from kernel_harness import EmulatedExecutor
+from matmul_4bit_cases import Case, gemm_args
+from bnb_mps.ops import matmul_4bit, workspace
+from bnb_mps.ops.plan import BoundPlan
+
+pytest.importorskip("bnb_mps.emulator")
+
+
+@pytest.fixture(autouse=True)
+def fresh_workspaces():
+    workspace.release()
+    yield
+    workspace.release()
+
+
+def _counters() -> torch.Tensor:
+    (t,) = [buf for (dev, kind, *_), buf in workspace._buffers.items() if kind == "splitk counters"]
+    return t
+
+
+def _run(ex, case: Case, route=None):
+    A, args, W, bias = gemm_args(case)
+    y = matmul_4bit.gemm_4bit(ex, *args, route=route)
+    return y, R.check_accuracy(y.reshape(-1, case.N), A.reshape(-1, case.K), W, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_same_bits_whichever_threadgroup_adds_the_tile(library, dtype):
+    """Threadgroups run forward, backward and in three seeded orders (the emulator's threadgroup
+    orders); a tile's sum is added by whichever of its S threadgroups counts last, yet every order gives
+    the same bits, within the reference's bound, and leaves every counter at 0."""
+    case = Case(9, 100, 2064, dtype=dtype, nested=True, bias=True, seed=21)  # 2064: a short last slice
+    assert matmul_4bit.choose_path(case.M, case.N, case.K) == "splitk"
+    S = matmul_4bit.splitk_splits(case.M, case.K, dtype.itemsize)
+    assert S >= 4
+    results = []
+    for order, seed in (("forward", 0), ("reverse", 0), ("random", 1), ("random", 2), ("random", 3)):
+        ex = EmulatedExecutor(library, order=order, seed=seed)
+        y, figures = _run(ex, case)
+        assert ex.launched == [f"bnb_gemm_4bit_splitk_nested_{'f16' if dtype == torch.float16 else 'f32'}"]
+        assert torch.count_nonzero(_counters()) == 0, order
+        results.append((order, seed, y))
+    for order, seed, y in results[1:]:
+        assert torch.equal(y.view(torch.uint8), results[0][2].view(torch.uint8)), (order, seed)
+
+
+def test_the_workspace_serves_calls_of_every_shape(library):
+    """Calls of different shapes, S and M share one workspace per device: a larger call grows it (to at
+    least twice its size), a smaller one takes a view of it, and every call is right, so the counters
+    were 0 when each began."""
+    ex = EmulatedExecutor(library, order="random", seed=5)
+    _run(ex, Case(2, 40, 1024, seed=1))  # S = 2: 2 tiles of 32 columns
+    small = _counters()
+    _run(ex, Case(3, 300, 512, dtype=torch.float32, nested=True, seed=2))  # 10 tiles: the buffer grows
+    big = _counters()
+    assert small.numel() == 2 and big.numel() == 10
+    for M, N, K in ((30, 300, 4096), (5, 17, 2048), (2, 40, 1024)):  # 3, 1 and 2 tiles
+        _run(ex, Case(M, N, K, dtype=torch.bfloat16, bias=True, seed=M))
+        assert _counters() is big and torch.count_nonzero(big) == 0
+    assert ex.launched.count("bnb_gemm_4bit_splitk_absmax_bf16") == 3
+
+
+def test_a_call_allocates_its_output_only(library):
+    """The plan of a split-K call has one output; the workspace is taken when the plan is bound (views of
+    the device's buffers, the same storage for every plan that fits), never per call."""
+    case = Case(4, 64, 1024, seed=3)
+    A, args, W, bias = gemm_args(case)
+    plan = matmul_4bit.plan_gemm_4bit(*args)
+    assert [d for _, d in plan.outputs] == [case.dtype] and len(plan.outputs) == 1
+    assert [(kind, dtype, zeroed) for kind, _, dtype, zeroed in plan.workspaces] == [
+        ("splitk partial sums", torch.float32, False), ("splitk counters", torch.int32, True)]
+    ex = EmulatedExecutor(library)
+    one, two = BoundPlan(plan, ex), BoundPlan(plan, ex)
+    work = [t for t in one._constants if isinstance(t, torch.Tensor)]
+    assert [t.untyped_storage().data_ptr() for t in work] == \
+        [t.untyped_storage().data_ptr() for t in two._constants if isinstance(t, torch.Tensor)]
+    y = one(tuple(args))
+    want = torch.from_numpy(R.matmul(A.reshape(-1, case.K), W)).to(case.dtype)
+    assert y.shape == (case.M, case.N)
+    R.check_accuracy(y, A.reshape(-1, case.K), W, bias)
+    assert want.shape == y.shape
+
+
+def test_workspace_grows_and_refuses_negative_sizes():
+    a = workspace.workspace("cpu", "test", 10, torch.int32, zeroed=True)
+    assert a.numel() == 10 and torch.count_nonzero(a) == 0
+    a.fill_(3)
+    b = workspace.workspace("cpu", "test", 4, torch.int32, zeroed=True)
+    assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() and torch.equal(b, a[:4])
+    c = workspace.workspace("cpu", "test", 11, torch.int32, zeroed=True)
+    assert c.numel() == 11 and workspace._buffers[(torch.device("cpu"), "test", torch.int32, True)].numel() == 20
+    assert torch.count_nonzero(c) == 0  # a new buffer, zeroed
+    with pytest.raises(ValueError, match="numel must be >= 0, got -1"):
+        workspace.workspace("cpu", "test", -1, torch.int32, zeroed=False)
