@@ -228,10 +228,13 @@ def worst_case_units(path: str, K: int) -> float:
       ceil(K / 256) - 1 additions of the groups;
     - small (and its wide variant): 4 fused multiply-adds in a chain, 2 pairwise levels over the 4 chains
       of a lane's 16 columns of a 128-column step, ceil(K / 256) - 1 additions over the steps into the
-      row's two accumulators (alternate steps), 1 combining them, 3 pairwise levels over a row's 8 lanes."""
-    steps = {"gemv": 1024, "gemv/tglut": 1024, "batch": 512, "mma": 256, "small": 256, "small/wide": 256}[path]
+      row's two accumulators (alternate steps), 1 combining them, 3 pairwise levels over a row's 8 lanes;
+    - splitk: the small kernel's over each slice of K (at most ceil(K / 256) - 1 step additions), then
+      the S <= 8 slices' partial sums added in order (7 more at most)."""
+    steps = {"gemv": 1024, "gemv/tglut": 1024, "batch": 512, "mma": 256, "small": 256, "small/wide": 256,
+             "splitk": 256}[path]  # fmt: skip
     inner = {"gemv": 8 + 2 + 5, "gemv/tglut": 8 + 2 + 5, "batch": 4 + 2 + 5, "mma": 32 + 7, "small": 4 + 2 + 1 + 3,
-             "small/wide": 4 + 2 + 1 + 3}[path]  # fmt: skip
+             "small/wide": 4 + 2 + 1 + 3, "splitk": 4 + 2 + 1 + 3 + 7}[path]  # fmt: skip
     D = inner + max(0, math.ceil(K / steps) - 1) + 1
     return D / (1 - D * UNIT)
 

@@ -531,7 +531,8 @@ def test_gpu_verdicts_are_those_of_first_use(emulated_verification):
     executor = executors.load_tier("emulated")
     used = ["quantize_4bit", "dequantize_4bit", "gemm_4bit"]
     first = check.gpu_verdicts("emulated", executor, used)
-    families = ["nf4_fp4", "matmul_4bit_gemv", "matmul_4bit_small", "matmul_4bit_batch", "matmul_4bit_mma"]
+    families = ["nf4_fp4", "matmul_4bit_gemv", "matmul_4bit_small", "matmul_4bit_splitk", "matmul_4bit_batch",
+                "matmul_4bit_mma"]
     assert first["tier"] == "emulated" and list(first["verdicts"]) == families
     # run now (a fresh cache), and written to the cache as first use writes them
     written = {family: entry for entries in json.loads(verify.cache_path().read_text()).values()

@@ -29,7 +29,7 @@ from bnb_mps.ops import matmul_4bit
 
 emulator = pytest.importorskip("bnb_mps.emulator")
 
-PATHS = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "mma")
+PATHS = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "mma")
 MS = (1, 2, 5, 8, 16, 40, 128)
 N = 40  # not a multiple of the 8 rows per threadgroup of gemv and batch, nor of mma's 64-wide tile
 
@@ -66,8 +66,8 @@ def units(y: torch.Tensor, A: torch.Tensor, W: np.ndarray) -> float:
 def test_float32_error_against_float64(library, path, K):
     figures = {}
     for M in MS:
-        if path.startswith("small") and M > matmul_4bit.SMALL_MAX_M:
-            continue  # (the small kernel takes up to 32 rows)
+        if (path.startswith("small") or path == "splitk") and M > matmul_4bit.SMALL_MAX_M:
+            continue  # (the small and split-K kernels take up to 32 rows)
         for signs in ("signed", "positive"):
             y, A, W = product(library, path, M, K, signs, seed=M + K)
             e = units(y, A, W)

@@ -26,8 +26,12 @@ def fresh_workspaces():
     workspace.release()
 
 
+def _buffers_of(kind: str) -> list:
+    return [buf for key, buf in workspace._buffers.items() if key[1] == kind]
+
+
 def _counters() -> torch.Tensor:
-    (t,) = [buf for (dev, kind, *_), buf in workspace._buffers.items() if kind == "splitk counters"]
+    (t,) = _buffers_of("splitk counters")
     return t
 
 
@@ -101,7 +105,7 @@ def test_workspace_grows_and_refuses_negative_sizes():
     b = workspace.workspace("cpu", "test", 4, torch.int32, zeroed=True)
     assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() and torch.equal(b, a[:4])
     c = workspace.workspace("cpu", "test", 11, torch.int32, zeroed=True)
-    assert c.numel() == 11 and workspace._buffers[(torch.device("cpu"), "test", torch.int32, True)].numel() == 20
+    assert c.numel() == 11 and _buffers_of("test")[0].numel() == 20
     assert torch.count_nonzero(c) == 0  # a new buffer, zeroed
     with pytest.raises(ValueError, match="numel must be >= 0, got -1"):
         workspace.workspace("cpu", "test", -1, torch.int32, zeroed=False)

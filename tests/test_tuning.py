@@ -122,6 +122,23 @@ def test_the_fastest_route_serves_the_result_of_that_route(M, route, nested):
     assert kernels.launched == launched_by(route, nested), kernels.launched
 
 
+@pytest.mark.parametrize("route", ["splitk", "small"])
+def test_from_k_512_the_split_k_kernel_is_the_built_in_route_and_a_candidate(route):
+    """K = 512 (two slices of 256): the split-K kernel serves the first call and is measured beside the
+    small kernel and the others; whichever the timings favour then serves, bit for bit."""
+    args = gemm_args(3, K=512, dtype=torch.float16, bias=True)
+    want = gemm_by_hand(route, args)
+    with use_emulated_kernels() as kernels, fixed_timings(times_favouring(route)):
+        got = bnb.gemm_4bit.default(*copy.deepcopy(args))
+        kernels.clear()
+        again = bnb.gemm_4bit.default(*copy.deepcopy(args))
+    row = row_of("gemm_4bit")
+    assert row["default"] == "splitk" and row["choice"] == route, row
+    assert set(row["times"]) == set(candidates_of(3)) | {"splitk"}, row
+    assert same_bits(got, want) and same_bits(again, want)
+    assert kernels.launched == launched_by(route, True), kernels.launched
+
+
 def candidates_of(M):
     return {1: ("gemv", "gemv/tglut", "batch", "small", "small/wide", "mma", "dequantize+linear", "bitsandbytes"),
             3: ("gemv", "gemv/tglut", "batch", "small", "small/wide", "mma", "dequantize+linear", "bitsandbytes"),
@@ -134,6 +151,7 @@ def launched_by(route: str, nested: bool) -> list:
     return {"gemv": [f"bnb_gemv_4bit_{sc}_{dt}"], "gemv/tglut": [f"bnb_gemv_4bit_tglut_{sc}_{dt}"],
             "batch": [f"bnb_gemm_4bit_batch_{sc}_{dt}"], "mma": [f"bnb_gemm_4bit_mma_{sc}_{dt}"],
             "small": [f"bnb_gemm_4bit_small_{sc}_{dt}"], "small/wide": [f"bnb_gemm_4bit_small_wide_{sc}_{dt}"],
+            "splitk": [f"bnb_gemm_4bit_splitk_{sc}_{dt}"],
             "dequantize+linear": scales + [f"bnb_dequantize_4bit_nf4_{dt}"],
             # (bitsandbytes' gemm_4bit calls the dequantize ops through the dispatcher, where the same timings
             # make bitsandbytes' own CPU dequantize_blockwise serve; its CPU dequantize_4bit is no route here)

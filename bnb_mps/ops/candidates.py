@@ -53,7 +53,8 @@ _MATMUL = ("gemm_4bit", "gemv_4bit", "gemv_4bit.out")
 #: the kernel families (bnb_mps.ops.verify) each kernel path of the 4-bit products runs
 PATH_FAMILIES = {"gemv": ("matmul_4bit_gemv",), "gemv/tglut": ("matmul_4bit_tglut",),
                  "batch": ("matmul_4bit_batch",), "small": ("matmul_4bit_small",),
-                 "small/wide": ("matmul_4bit_small_wide",), "mma": ("matmul_4bit_mma",)}  # fmt: skip
+                 "small/wide": ("matmul_4bit_small_wide",), "splitk": ("matmul_4bit_splitk",),
+                 "mma": ("matmul_4bit_mma",)}  # fmt: skip
 
 #: rows of A are rounded up to a power of two up to this; more rows make one bucket above it,
 #: measured at this many rows (the routes are throughput-bound there and rank alike)

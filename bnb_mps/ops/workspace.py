@@ -10,6 +10,9 @@ buffers (the counters) are zero when allocated; the kernel leaves them zero afte
 
 Calls of one device run in stream order (torch's MPS stream, the emulator), so one buffer per device
 and kind serves every plan. Sizes are proportional to outputs (M x N x slices floats), not to weights.
+A new choice of kernel tier (bnb_mps.executors.reset, which also drops the plans bound before it)
+starts new buffers: a faulty kernel that a failed first-use verification took out of service cannot
+leave counters set for the kernels after it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import threading
 
 import torch
 
+from .. import executors
+
 _lock = threading.Lock()
-_buffers: dict[tuple, torch.Tensor] = {}  # (device, kind, dtype, zeroed) -> the device's buffer
+_buffers: dict[tuple, torch.Tensor] = {}  # (device, kind, dtype, zeroed, tier generation) -> the buffer
 
 
 def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
@@ -27,8 +32,10 @@ def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool) -
     `zeroed`: the buffer's users leave it as they found it)."""
     if numel < 0:
         raise ValueError(f"workspace {kind!r}: numel must be >= 0, got {numel}")
-    key = (torch.device(device), kind, dtype, zeroed)
+    key = (torch.device(device), kind, dtype, zeroed, executors.generation)
     with _lock:
+        for old in [k for k in _buffers if k[4] != key[4]]:  # (plans bound before keep theirs)
+            del _buffers[old]
         buf = _buffers.get(key)
         if buf is None or buf.numel() < numel:
             size = max(numel, 2 * buf.numel() if buf is not None else 0, 1)

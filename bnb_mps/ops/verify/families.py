@@ -27,15 +27,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            lambda: itertools.chain(blockwise_8bit_cases(), special_8bit_cases())),
     Family("nf4_fp4", ("quantize_4bit", "dequantize_4bit", "dequantize_4bit.out"),
            lambda: itertools.chain(fourbit_cases(), special_4bit_cases())),
-    # The four kernel paths of the 4-bit products (bnb_mps.ops.matmul_4bit.choose_path): M = 1 with
-    # K % 32 == 0; 2 <= M <= 32 with K % 16 == 0 (small); M = 1 with K % 32 == 16 (batch, verified on
+    # The five kernel paths of the 4-bit products (bnb_mps.ops.matmul_4bit.choose_path): M = 1 with
+    # K % 32 == 0; 2 <= M <= 32 with K % 16 == 0 (split-K from K = 512, small below); M = 1 with
+    # K % 32 == 16 (batch, verified on
     # several rows of A, as tuning may route them there); larger M, or K % 16 != 0. A failing path takes
     # all three ops. K spans more than one step of every lane in the gemv (1024 per step), batch (512)
     # and small (128; 400 = 3 x 128 + 16, a last step of 2 active lanes) kernels; N leaves a partial group
     # of 8 / 16 weight rows there, a partial tile of 64 in mma; M = 12 in small: the 8 lanes of a row store
-    # rows q and q + 8.
+    # rows q and q + 8. Split-K: K = 1040 = 4 x 256 + 16 cuts into slices of 512, 512, 16 and none
+    # (S = 4), N = 40 leaves a partial tile of 64 columns, and the last threadgroup of each tile adds
+    # the tile's partial sums.
     Family("matmul_4bit_gemv", _MATMUL_OPS, lambda: matmul_cases(1, 20, 1280, seed=900)),
     Family("matmul_4bit_small", _MATMUL_OPS, lambda: matmul_cases(12, 20, 400, seed=940)),
+    Family("matmul_4bit_splitk", _MATMUL_OPS, lambda: matmul_cases(12, 40, 1040, seed=960)),
     Family("matmul_4bit_batch", _MATMUL_OPS, lambda: _routed(matmul_cases(5, 20, 560, seed=910), "batch")),
     Family("matmul_4bit_mma", _MATMUL_OPS, lambda: matmul_cases(37, 40, 200, seed=920)),
     # A kernel variant of a path (its 16-entry table in threadgroup memory): no op leaves the tier when
