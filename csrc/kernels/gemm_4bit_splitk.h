@@ -40,6 +40,16 @@
 #define BNB_SPLITK_MAX_S 8u     // slices (and groups of 16 columns per tile) at most
 #define BNB_SPLITK_ALIGN 256u   // slices start at multiples of 256 in K: a 128-byte line of a weight row
 
+// Orders this thread's device-memory writes before its later accesses for every thread of the device:
+// Metal 3.2's atomic_thread_fence where the language has it; before 3.2 the kernel relies on
+// threadgroup_barrier(mem_flags::mem_device) and the atomic (not yet run on a Mac: first-use
+// verification on the user's GPU is what shows the protocol holds there).
+inline void bnb_splitk_device_fence() {
+#if __METAL_VERSION__ >= 320
+    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+#endif
+}
+
 template <typename T, bool NESTED>
 [[kernel]] void bnb_gemm_4bit_splitk(
     device const T* A [[buffer(0)]],
@@ -105,9 +115,7 @@ template <typename T, bool NESTED>
 
     // Count this threadgroup in, after all of its partial sums are written.
     threadgroup_barrier(mem_flags::mem_device);
-#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
-    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-#endif
+    bnb_splitk_device_fence();
     if (tid == 0u) {
         last[0] = atomic_fetch_add_explicit(&counters[tile], 1u, memory_order_relaxed) == S - 1u ? 1u : 0u;
     }
@@ -115,9 +123,7 @@ template <typename T, bool NESTED>
     if (last[0] == 0u) {  // (uniform over the threadgroup)
         return;
     }
-#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
-    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-#endif
+    bnb_splitk_device_fence();
     // The last of the tile's S threadgroups: every output of the tile, its slots added in slice order.
     device const float* tile_work = work + tile * S * (mcount * cols);
     for (uint e = tid; e < mcount * cols; e += THREADS) {
