@@ -84,11 +84,33 @@ def profile(N: int, K: int, M: int, dtype: torch.dtype, path: Optional[str] = No
 
 
 def a_floor(N: int, K: int, M: int, dtype: torch.dtype, gemv_threadgroups: int) -> int:
-    """The least A traffic the cost model charges any one-launch kernel that reads each weight byte once
-    and spreads N over at least half the gemv kernel's threadgroups: every threadgroup that computes a
-    column of y reads all M rows of A over the whole of K (no threadgroup can finish another's sums
-    without a temporary), so A costs (threadgroups) x (A's bytes) at least."""
+    """The least A traffic the cost model charges a one-launch kernel that reads each weight byte once,
+    runs every threadgroup over the whole of K (no partial sums between threadgroups, as the small
+    kernel) and spreads N over at least half the gemv kernel's threadgroups: every threadgroup that
+    computes a column of y reads all M rows of A over the whole of K, so A costs (threadgroups) x (A's
+    bytes) at least. The split-K kernel escapes it by giving each threadgroup a slice of K."""
     return math.ceil(gemv_threadgroups / 2) * M * K * dtype.itemsize
+
+
+def lower_bound(N: int, K: int, M: int, dtype: torch.dtype, threadgroups: int,
+                partial_bytes: Optional[int] = None) -> float:
+    """The least traffic (bytes) the cost model can charge any kernel that shares the M x N x K products
+    equally among `threadgroups` threadgroups (docs/small-batch.md, "The bound"). A threadgroup that
+    forms v products a[m, k] * w[n, k] touches the a elements (m, k), the w weights (n, k) and the y
+    outputs (m, n) they project to, and v <= sqrt(a w y) (the Loomis-Whitney inequality); it reads
+    itemsize bytes per element of A and half a byte per weight, and writes at least itemsize bytes per
+    output it contributes to (a sum or a partial sum: less precision than the output's would round
+    otherwise than dequantize + linear, docs/semantics.md section 4). Its lines cover those bytes, so by
+    the inequality of arithmetic and geometric means it is charged at least
+    3 (itemsize x 1/2 x p)^(1/3) v^(2/3), v = M N K / threadgroups, p = itemsize. The 8-bit block
+    scales (N K / 64 bytes) are read at least once. Everything else (scale tables, re-reads of a line by
+    another threadgroup, partial sums read back) only adds to it. `partial_bytes` = p = 4: the bound of
+    kernels whose threadgroups write float32 partial sums (a split of K that rounds once, as dequantize
+    + linear does, needs them)."""
+    s = dtype.itemsize
+    p = s if partial_bytes is None else partial_bytes
+    v = M * N * K / threadgroups
+    return threadgroups * 3 * (s * 0.5 * p) ** (1 / 3) * v ** (2 / 3) + N * K / 64
 
 
 #: the chips of the table (bnb_mps.chips): the oldest base chip, a Max, a Pro, the newest base chip
