@@ -1,5 +1,6 @@
 """The 4-bit products' figures under the cost model (bnb_mps.emulator.profile), per kernel path and row
-count M: the table of docs/tuning.md ("Small batches"), and what tests/test_small_batch_cost.py asserts.
+count M: the table of docs/small-batch.md, and what tests/test_small_batch_cost.py asserts; with, per M,
+the least traffic the model can charge any kernel with half the M = 1 call's threadgroups (`lower_bound`).
 
     python scripts/cost_model_matmul_4bit.py [--shapes 3072x1024,1024x3072] [--m 1,2,...] [--dtype float16]
 
@@ -102,15 +103,18 @@ def lower_bound(N: int, K: int, M: int, dtype: torch.dtype, threadgroups: int,
     output it contributes to (a sum or a partial sum: less precision than the output's would round
     otherwise than dequantize + linear, docs/semantics.md section 4). Its lines cover those bytes, so by
     the inequality of arithmetic and geometric means it is charged at least
-    3 (itemsize x 1/2 x p)^(1/3) v^(2/3), v = M N K / threadgroups, p = itemsize. The 8-bit block
-    scales (N K / 64 bytes) are read at least once. Everything else (scale tables, re-reads of a line by
-    another threadgroup, partial sums read back) only adds to it. `partial_bytes` = p = 4: the bound of
-    kernels whose threadgroups write float32 partial sums (a split of K that rounds once, as dequantize
-    + linear does, needs them)."""
+    3 (itemsize x 1/2 x p)^(1/3) v^(2/3), v = M N K / threadgroups, p = itemsize; the 8-bit block
+    scales (N K / 64 bytes) are read at least once. And whatever the shares, every weight byte, scale,
+    element of A and output is moved at least once. The bound is the larger of the two; everything
+    else (scale tables, re-reads of a line by another threadgroup, partial sums read back) only adds to
+    it. `partial_bytes` = p = 4: the bound of kernels whose threadgroups write float32 partial sums (a
+    split of K that rounds once, as dequantize + linear does, needs them)."""
     s = dtype.itemsize
     p = s if partial_bytes is None else partial_bytes
     v = M * N * K / threadgroups
-    return threadgroups * 3 * (s * 0.5 * p) ** (1 / 3) * v ** (2 / 3) + N * K / 64
+    shares = threadgroups * 3 * (s * 0.5 * p) ** (1 / 3) * v ** (2 / 3) + N * K / 64
+    once = N * K / 2 + N * K / 64 + M * K * s + M * N * s
+    return max(shares, once)
 
 
 #: the chips of the table (bnb_mps.chips): the oldest base chip, a Max, a Pro, the newest base chip
@@ -141,7 +145,16 @@ def table(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out=
         head += [f"{c} us" for c in CHIPS]
         print(" | ".join(head), file=out)
         print(" | ".join("---" for _ in head), file=out)
+        half = math.ceil(base.threadgroups / 2)
         for M in ms:
+            # the least traffic of any kernel with half the M = 1 call's threadgroups (`lower_bound`), with
+            # partial sums of the output's size and of float32
+            for label, p in (("bound", None), ("bound, f32 partials", 4)):
+                b = lower_bound(N, K, M, dtype, half, partial_bytes=p)
+                cells = [str(M), label, f"{b / 1e6:.3f}", f"{b / base.traffic:.2f}", "", "", str(half),
+                         f"{half / base.threadgroups:.2f}"]  # fmt: skip
+                cells += [f"{b / (gbps[c] * 1e9) * 1e6:.1f}" for c in CHIPS]
+                print(" | ".join(cells), file=out)
             for i, path in enumerate(routes(M, N, K)):
                 f = profile(N, K, M, dtype, None if i == 0 else path)
                 rows.append(f)

@@ -133,15 +133,22 @@ def test_the_table_marks_the_built_in_route_of_each_m(profiler):
     import io
 
     buf = io.StringIO()
-    rows = cm.table([(64, 128)], [1, 2, 40], torch.bfloat16, out=buf)
+    rows = cm.table([(64, 512)], [1, 2, 40], torch.bfloat16, out=buf)
     text = buf.getvalue()
-    assert [(f.M, f.path) for f in rows] == [(1, "gemv"), (1, "batch"), (1, "small"), (1, "small/wide"), (1, "mma"),
-                                             (2, "small"), (2, "gemv"), (2, "batch"), (2, "small/wide"), (2, "mma"),
-                                             (40, "mma")]  # fmt: skip
-    assert "1 | gemv * |" in text and "2 | small * |" in text and "40 | mma * |" in text and "2 | batch |" in text
+    assert [(f.M, f.path) for f in rows] == [
+        (1, "gemv"), (1, "batch"), (1, "small"), (1, "small/wide"), (1, "splitk"), (1, "mma"),
+        (2, "splitk"), (2, "gemv"), (2, "batch"), (2, "small"), (2, "small/wide"), (2, "mma"), (40, "mma")]
+    assert "1 | gemv * |" in text and "2 | splitk * |" in text and "40 | mma * |" in text and "2 | batch |" in text
+    # the bound of every kernel with half the M = 1 call's threadgroups, above the table's routes of each M
+    one = rows[0]
+    for M in (1, 2, 40):
+        bound = next(line for line in text.splitlines() if line.startswith(f"{M} | bound |")).split(" | ")
+        want = cm.lower_bound(64, 512, M, torch.bfloat16, math.ceil(one.threadgroups / 2))
+        assert float(bound[2]) == pytest.approx(want / 1e6, abs=1e-3)
+        assert f"{M} | bound, f32 partials |" in text
     for chip in cm.CHIPS:
         assert f"{chip} us" in text
-    m1 = next(line for line in text.splitlines() if line.startswith("2 | small *")).split(" | ")
-    f = rows[5]
+    m1 = next(line for line in text.splitlines() if line.startswith("2 | splitk *")).split(" | ")
+    f = rows[6]
     assert float(m1[2]) == pytest.approx(f.traffic / 1e6, abs=1e-3)
     assert float(m1[8]) == pytest.approx(f.traffic / 68.25e9 * 1e6, abs=0.05)  # M1: 68.25 GB/s (bnb_mps.chips)

@@ -98,34 +98,39 @@ def check_gemm_4bit(
 
 # -- kernels --------------------------------------------------------------------------------------
 #
-# One launch per call, of one of four kernels of csrc/kernels/gemm_4bit.metal, chosen from the
+# One launch per call, of one of five kernels of csrc/kernels/gemm_4bit.metal, chosen from the
 # shapes alone (M = rows of A, N = rows of the weight, K = its columns):
 #
-#   gemv   M <= GEMV_MAX_M            decode: bandwidth-bound, one pass over the weight with the
+#   gemv    M <= GEMV_MAX_M           decode: bandwidth-bound, one pass over the weight with the
 #                                     activations in registers (the MLX qmv_fast design)
-#   small  M <= SMALL_MAX_M           a few rows of A (speculative decoding, batched serving, short
-#                                     prompts): one pass over the weight for all M rows, 16 weight rows
-#                                     per threadgroup, the rows of A staged in threadgroup memory
-#   mma    larger M                   prefill / training: simdgroup_matrix tiles, the weight tile
+#   splitk  M <= SMALL_MAX_M,         a few rows of A (speculative decoding, batched serving, short
+#           K >= SPLITK_MIN_K         prompts): one pass over the weight for all M rows; tiles of 16 S
+#                                     columns, K cut into S slices, one threadgroup per tile and slice,
+#                                     the partial sums added in slice order by the tile's last
+#                                     threadgroup (a per-device workspace, not a per-call allocation)
+#   small   M <= SMALL_MAX_M          the same below K = 512: 16 weight rows per threadgroup over the
+#                                     whole of K, the rows of A staged in threadgroup memory
+#   mma     larger M                  prefill / training: simdgroup_matrix tiles, the weight tile
 #                                     dequantized into threadgroup memory once per 32 rows of A
 #
 # and the batch kernel (up to 8 rows of A per threadgroup, 8 weight rows; the weight read once per 8
 # rows of A), a tuning candidate for M <= BATCH_CANDIDATE_MAX_M, and the built-in path where the
 # others cannot run (M = 1 with K % 32 == 16).
 #
-# Why these switch points (docs/tuning.md, "Small batches", has the figures): at M = 1 the product is
-# a pure stream over the weight (2 flops per 4-bit weight); the gemv kernel keeps the activations in
-# registers and issues 16-byte weight loads with no barrier. For 2 <= M <= 32 the built-in path is the
-# one the cost model (bnb_mps.emulator.profile: modelled DRAM traffic at the chip's bandwidth) gives
-# the least traffic among the paths that spread N over at least half the gemv kernel's threadgroups
-# (the parallelism that keeps a Mac's memory system busy at decode sizes, which the bandwidth model
-# does not see): that is the small kernel at every such M, dtype and shape (the batch kernel re-reads A
-# per 8 weight rows and the weight per 8 rows of A; the mma kernel reads less but over an eighth of the
-# gemv kernel's threadgroups). Above 32 rows the arithmetic (2*M*N*K) outgrows what scalar FMAs keep up
-# with and the 8x8 matrix units take over. The gemv kernel needs K % 32 == 0 and the batch and small
-# kernels K % 16 == 0 (chunks of 32 / 16 nibbles per lane): M = 1 with K % 32 == 16 takes the batch
-# kernel, and K % 16 != 0 (no real model has it) the mma kernel, the only one that addresses nibbles
-# one by one. Nothing here looks at tensor data.
+# Why these switch points (docs/small-batch.md has the figures): at M = 1 the product is a pure stream
+# over the weight (2 flops per 4-bit weight); the gemv kernel keeps the activations in registers and
+# issues 16-byte weight loads with no barrier. For 2 <= M <= 32 the built-in path is the one the cost
+# model (bnb_mps.emulator.profile: modelled DRAM traffic at the chip's bandwidth) gives the least
+# traffic among the paths that spread the work over at least half the gemv kernel's threadgroups (the
+# parallelism that keeps a Mac's memory system busy at decode sizes, which the bandwidth model does not
+# see): that is the split-K kernel from K = 512 at every such M, dtype and shape measured (the small
+# kernel's threadgroups each read all of A; the batch kernel re-reads A per 8 weight rows and the
+# weight per 8 rows of A; the mma kernel reads less at large M but over an eighth of the gemv kernel's
+# threadgroups), and the small kernel below. Above 32 rows the arithmetic (2*M*N*K) outgrows what
+# scalar FMAs keep up with and the 8x8 matrix units take over. The gemv kernel needs K % 32 == 0 and
+# the batch, small and split-K kernels K % 16 == 0 (chunks of 32 / 16 nibbles per lane): M = 1 with
+# K % 32 == 16 takes the batch kernel, and K % 16 != 0 (no real model has it) the mma kernel, the only
+# one that addresses nibbles one by one. Nothing here looks at tensor data.
 #
 # These switch points are the built-in order (`choose_path`): reasoning under the cost model, not a
 # measurement on a Mac. Each path, and each kernel variant of a path (`<path>/<variant>`: "gemv/tglut",
@@ -138,7 +143,8 @@ GEMV_MAX_M = 1
 SMALL_MAX_M = 32
 
 #: route names of the kernel paths and variants -> the multiple of K their kernel needs (nibbles per
-#: lane per step of the gemv, batch and small kernels; the mma kernel addresses nibbles one by one)
+#: lane per step of the gemv, batch, small and split-K kernels; the mma kernel addresses nibbles one by
+#: one)
 PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "small": 16, "small/wide": 16, "splitk": 16,
                    "mma": 1}
 
