@@ -58,6 +58,7 @@ JSON_CACHE = "tests/test_json_cache.py"
 LINT = "tests/test_msl_lint.py"
 DEMO_CHECK = "tests/test_demo_check.py"
 MODELLED = "tests/test_modelled_mps.py"
+SPLITK = "tests/test_splitk.py"
 
 FAULTS = [
     # -- tuning: the decision, the switches, the cache (bnb_mps/ops/tuning.py) -----------------------------
@@ -288,6 +289,25 @@ FAULTS = [
     Fault("CU3", "bnb_mps/ademamix_layout.py", "out[blocks:] = flat[blocks - 1 : 2 * blocks - 1]",
           "out[blocks:] = flat[blocks : 2 * blocks]", ("tests/test_ademamix_layout.py",),
           "AdEMAMix8bit's slow-EMA scales read from CUDA's overlapping layout"),
+    # -- the split-K product (issue 34): a protocol between threadgroups and a per-device workspace ------------
+    Fault("SK1", "csrc/kernels/gemm_4bit_splitk.h", "memory_order_relaxed) == S - 1u ? 1u : 0u;",
+          "memory_order_relaxed) == 0u ? 1u : 0u;", (SPLITK,),
+          "the tile's sums are added by the last threadgroup to count, after every slice is written"),
+    Fault("SK2", "csrc/kernels/gemm_4bit_splitk.h",
+          "atomic_store_explicit(&counters[tile], 0u, memory_order_relaxed);", "", (SPLITK,),
+          "the counters are left at 0 for the next call"),
+    Fault("SK3", "csrc/kernels/gemm_4bit_splitk.h", "for (uint s = 1; s < S; ++s) {",
+          "for (uint s = 1; s + 1u < S; ++s) {", (SPLITK,), "every slice's partial sums are added"),
+    Fault("SK4", "csrc/kernels/gemm_4bit_splitk.h",
+          "(K + BNB_SPLITK_ALIGN * S - 1u) / (BNB_SPLITK_ALIGN * S) * BNB_SPLITK_ALIGN;",
+          "(K + BNB_SMALL_KS * S - 1u) / (BNB_SMALL_KS * S) * BNB_SMALL_KS;",
+          ("tests/test_small_batch_cost.py", "-k", "targets and not every"),
+          "slices start on a line of the packed weight: no line is read by two slices"),
+    Fault("SK5", "bnb_mps/ops/workspace.py", "if buf is None or buf.numel() < numel:", "if buf is None:", (SPLITK,),
+          "a call that needs more workspace than the device's buffer has grows it"),
+    Fault("SK6", "bnb_mps/ops/matmul_4bit.py", "return \"splitk\" if K >= SPLITK_MIN_K else \"small\"",
+          "return \"small\"", ("tests/test_small_batch_cost.py", "-k", "targets and not every"),
+          "the built-in route for 2..32 rows from K = 512 is the split-K kernel"),
 ]
 
 
