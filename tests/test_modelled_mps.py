@@ -11,6 +11,8 @@ for what the events do.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 
@@ -348,6 +350,31 @@ def test_calls_on_another_stream_are_not_tuned_and_nothing_is_cached(monkeypatch
         bnb.gemm_4bit.default(*clone(args))
         rows = bnb_mps.tuning_table()
         assert "gemm_4bit" in {r["op"] for r in rows} and {r["clock"] for r in rows} == {"gpu"}, rows
+
+
+@pytest.mark.parametrize("version", ["2.13", "2.15"])
+def test_each_stream_has_its_own_split_k_workspace(version):
+    """The split-K kernel's partial sums and counters (bnb_mps.ops.workspace): one set per device for
+    the default stream, and, where torch has other streams (2.15), one per stream, since two streams'
+    kernels may run at the same time. Every call gives the emulated tier's bits."""
+    from bnb_mps.ops import workspace
+
+    args = gemm_args(5, K=512)
+    with use_emulated_kernels():
+        want, _ = run("gemm_4bit", args)
+    with use_modelled_mps(version) as mps:
+        got, _ = run("gemm_4bit", args)
+        assert path_of(mps.launched[-1]) == "splitk" and identical(got, want)
+        side = torch.mps.Stream() if version == "2.15" else None
+        with torch.mps.stream(side) if side is not None else contextlib.nullcontext():
+            again, _ = run("gemm_4bit", args)
+        torch.mps.synchronize()
+        assert identical(again, want)
+        streams = {key[5] for key in workspace._buffers if key[1] == "splitk counters"}
+        assert streams == ({0, side._stream.number} if side is not None else {0}), streams
+        for key, buf in workspace._buffers.items():
+            if key[1] == "splitk counters":
+                assert torch.count_nonzero(buf) == 0
 
 
 def test_deterministic_algorithms_take_the_built_in_route(monkeypatch):

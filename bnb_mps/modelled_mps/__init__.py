@@ -37,7 +37,7 @@ __all__ = ["ModelledDeadlock", "ModelledMPS", "VERSIONS", "use_modelled_mps"]
 #: the torch._C functions the model stands in for
 _C_FUNCTIONS = ("_has_mps", "_mps_is_available", "_mps_acquireEvent", "_mps_releaseEvent", "_mps_recordEvent",
                 "_mps_waitForEvent", "_mps_queryEvent", "_mps_synchronizeEvent", "_mps_elapsedTimeOfEvents",
-                "_mps_deviceSynchronize", "_mps_compileShader")  # fmt: skip
+                "_mps_deviceSynchronize", "_mps_compileShader", "_mps_getCurrentStream")  # fmt: skip
 _STREAM_API = ("Stream", "current_stream", "default_stream", "stream", "set_stream")
 _active = False
 
@@ -70,6 +70,13 @@ class _ModelledStream:
 
     def __hash__(self) -> int:
         return id(self._stream)
+
+
+@dataclass(frozen=True)
+class _CurrentStream:
+    """torch._C._mps_getCurrentStream()'s result (torch >= 2.15): the stream's id, 0 for the default."""
+
+    stream_id: int
 
 
 def _stream_api(rt: Runtime) -> dict:
@@ -130,6 +137,8 @@ def use_modelled_mps(torch_version: str = "2.13") -> Iterator[ModelledMPS]:
         "_mps_deviceSynchronize": rt.device_synchronize,
         "_mps_compileShader": lambda source: ModelledLibrary(rt, source),
     }
+    if behaviour.public_streams:  # (torch >= 2.15: what torch.mps.current_stream() reads, torch/mps/streams.py)
+        functions["_mps_getCurrentStream"] = lambda: _CurrentStream(rt.current_stream.number)
     import torch.mps.event as torch_event
 
     events = weakref.WeakSet()  # torch.mps.Event objects made under the model

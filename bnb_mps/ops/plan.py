@@ -214,7 +214,8 @@ class BoundPlan:
     """A plan ready to run on one executor: its launches as callables of their argument tuple.
     `bound(args)` runs a call (its per-call scalars from `dynamic`, the op's `Planned.dynamic`)."""
 
-    __slots__ = ("plan", "counted", "calls", "_allocate", "_constants", "_simple", "_dynamic")
+    __slots__ = ("plan", "counted", "calls", "_allocate", "_constants", "_simple", "_dynamic", "_stream",
+                 "_by_stream")
 
     def __init__(self, plan: Plan, executor, counted: tuple = (), dynamic=None) -> None:
         self.plan = plan
@@ -226,8 +227,10 @@ class BoundPlan:
             for L in plan.launches
         )  # fmt: skip
         self._allocate = _allocator(plan.outputs, plan.device)
-        # (the workspaces sit in the pool after the constants: one tuple, taken once)
+        # (the workspaces sit in the pool after the constants: one tuple, taken once per stream)
         self._constants = plan.constants + _workspaces(plan.workspaces, plan.device)
+        self._stream = _stream_id_reader() if plan.workspaces else None
+        self._by_stream: dict = {}
         self._simple = not (plan.prepare or plan.write_back or plan.finish)
 
     def __call__(self, args: tuple):
@@ -235,15 +238,16 @@ class BoundPlan:
         plan = self.plan
         dynamic = self._dynamic(args, plan.dynamic_base) if self._dynamic is not None else ()  # (checks them)
         outs = self._allocate()
+        constants = self._constants if self._stream is None else self._constants_on_stream()
         if self._simple:
-            pool = (outs + dynamic + self._constants + args) if dynamic else (outs + self._constants + args)
+            pool = (outs + dynamic + constants + args) if dynamic else (outs + constants + args)
             for pick, launch in self.calls:
                 launch(args=pick(pool))
         else:
             prepared = list(args)
             for i, fn in plan.prepare:
                 prepared[i] = fn(prepared[i])
-            pool = outs + dynamic + self._constants + tuple(prepared)
+            pool = outs + dynamic + constants + tuple(prepared)
             for pick, launch in self.calls:
                 launch(args=pick(pool))
             for i in plan.write_back:
@@ -251,6 +255,33 @@ class BoundPlan:
             if plan.finish is not None:
                 plan.finish(prepared, outs)
         return None if plan.result is None else plan.result(outs)
+
+
+    def _constants_on_stream(self) -> tuple:
+        """The constants and workspaces of a call on torch's current MPS stream: another stream's
+        kernels may run while the default stream's do, so each stream has workspaces of its own."""
+        stream = self._stream()
+        if stream == 0:
+            return self._constants
+        constants = self._by_stream.get(stream)
+        if constants is None:
+            constants = self._by_stream[stream] = self.plan.constants + _workspaces(
+                self.plan.workspaces, self.plan.device, stream)
+        return constants
+
+
+def _stream_id_reader() -> Optional[Callable[[], int]]:
+    """A function giving the id of torch's current MPS stream (0: the default one) where torch has
+    more than one (torch >= 2.15: torch._C._mps_getCurrentStream, which torch.mps.current_stream reads),
+    else None (one stream: nothing to ask per call)."""
+    get = getattr(torch._C, "_mps_getCurrentStream", None)
+    if get is None:
+        return None
+    try:
+        get().stream_id
+    except Exception:  # noqa: BLE001 (a torch without an MPS device: no streams to tell apart)
+        return None
+    return lambda: get().stream_id
 
 
 def _allocator(outputs: tuple, device) -> Callable[[], tuple]:
@@ -264,8 +295,8 @@ def _allocator(outputs: tuple, device) -> Callable[[], tuple]:
     return lambda: tuple([empty(shape, dtype=dtype, device=device) for shape, dtype in outputs])
 
 
-def _workspaces(wanted: tuple, device) -> tuple:
-    return tuple(workspace(device, kind, numel, dtype, zeroed) for kind, numel, dtype, zeroed in wanted)
+def _workspaces(wanted: tuple, device, stream: int = 0) -> tuple:
+    return tuple(workspace(device, kind, numel, dtype, zeroed, stream) for kind, numel, dtype, zeroed in wanted)
 
 
 def _prepared(executor, launch: Launch) -> Callable[..., None]:

@@ -8,8 +8,10 @@ buffer grown (a new one, at least twice the old size) when a plan needs more tha
 bound earlier keep the buffer they hold, so each call is one key lookup and no allocation. Zeroed
 buffers (the counters) are zero when allocated; the kernel leaves them zero after each call.
 
-Calls of one device run in stream order (torch's MPS stream, the emulator), so one buffer per device
-and kind serves every plan. Sizes are proportional to outputs (M x N x slices floats), not to weights.
+Calls of one stream of a device run in order (torch's MPS stream, the emulator), so one buffer per
+device, stream and kind serves every plan; a bound plan takes the default stream's buffers when it is
+bound, and, where torch has other MPS streams (torch >= 2.15), those of the stream a call runs on
+(bnb_mps.ops.plan.BoundPlan), since two streams' kernels may run at the same time. Sizes are proportional to outputs (M x N x slices floats), not to weights.
 A new choice of kernel tier (bnb_mps.executors.reset, which also drops the plans bound before it)
 starts new buffers: a faulty kernel that a failed first-use verification took out of service cannot
 leave counters set for the kernels after it.
@@ -24,15 +26,16 @@ import torch
 from .. import executors
 
 _lock = threading.Lock()
-_buffers: dict[tuple, torch.Tensor] = {}  # (device, kind, dtype, zeroed, tier generation) -> the buffer
+_buffers: dict[tuple, torch.Tensor] = {}  # (device, kind, dtype, zeroed, tier generation, stream) -> buffer
 
 
-def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
-    """A one-dimensional view of `numel` elements of the device's workspace `kind` (zeros where
-    `zeroed`: the buffer's users leave it as they found it)."""
+def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool, stream: int = 0) -> torch.Tensor:
+    """A one-dimensional view of `numel` elements of the device's workspace `kind` for calls on the
+    torch.mps stream `stream` (its id; 0: the default stream), zeros where `zeroed` (the buffer's users
+    leave it as they found it)."""
     if numel < 0:
         raise ValueError(f"workspace {kind!r}: numel must be >= 0, got {numel}")
-    key = (torch.device(device), kind, dtype, zeroed, executors.generation)
+    key = (torch.device(device), kind, dtype, zeroed, executors.generation, stream)
     with _lock:
         for old in [k for k in _buffers if k[4] != key[4]]:  # (plans bound before keep theirs)
             del _buffers[old]
