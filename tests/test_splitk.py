@@ -109,3 +109,33 @@ def test_workspace_grows_and_refuses_negative_sizes():
     assert torch.count_nonzero(c) == 0  # a new buffer, zeroed
     with pytest.raises(ValueError, match="numel must be >= 0, got -1"):
         workspace.workspace("cpu", "test", -1, torch.int32, zeroed=False)
+
+
+@pytest.mark.parametrize("M,N,K,dtype", [(8, 128, 3072, torch.float32), (5, 128, 1040, torch.float16)])
+def test_each_line_of_the_weight_and_of_the_output_is_moved_by_one_threadgroup(M, N, K, dtype):
+    """Under the cost model (the emulator's profile): slices start on a 128-byte line of every weight row,
+    so where rows are whole lines (K % 256 == 0) no line of the packed weight is touched by two
+    threadgroups; and only the last threadgroup of a
+    tile writes the tile's outputs, so no output line is either (a kernel whose every threadgroup added
+    and stored the sums it could see would write each line S times)."""
+    from extras import profile_compiler
+
+    from bnb_mps.ops import OPS, call
+    from bnb_mps.testing import use_emulated_kernels
+
+    profile_compiler()
+    case = Case(M, N, K, dtype=dtype, nested=True, bias=True, seed=M + N)
+    S = matmul_4bit.splitk_splits(M, K, dtype.itemsize)
+    if K % 256 == 0:  # (cut at multiples of 128 instead, these slices would start mid-line: 3072 / 8 = 384)
+        assert -(-K // (S * 128)) % 2 == 1, S
+    A, args, W, bias = gemm_args(case)
+    with use_emulated_kernels(profile=True) as rec:
+        y = call(OPS["gemm_4bit"], tuple(args), {}, rec)
+    (p,) = rec.profiles
+    dt = "f16" if dtype == torch.float16 else "f32"
+    assert p.kernel == f"bnb_gemm_4bit_splitk_nested_{dt}" and p.grid[1] == S >= 4, (p.kernel, p.grid)
+    weight, out = p.buffers[1], p.buffers[8]
+    if K % 256 == 0:  # (weight rows of whole lines; otherwise neighbouring rows share a line)
+        assert weight.lines_summed_over_threadgroups == weight.lines == N * K // 2 // 128
+    assert out.lines_summed_over_threadgroups == out.lines and out.store_bytes == M * N * dtype.itemsize
+    R.check_accuracy(y.reshape(-1, N), A.reshape(-1, K), W, bias)
