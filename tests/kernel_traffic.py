@@ -115,14 +115,16 @@ def _matmul_cases() -> None:
     from bitsandbytes.functional import create_dynamic_map
 
     code = create_dynamic_map(signed=True)
-    N, K, bs = MATMUL_N, MATMUL_K, 64
-    nblocks = N * K // bs
-    for path, M in (("gemv", 1), ("small", 8), ("mma", 64)):
+    N, bs = MATMUL_N, 64
+    # (the built-in path of each shape: the small kernel below K = 512, the split-K kernel from there)
+    for path, M, K in (("gemv", 1, MATMUL_K), ("splitk", 8, MATMUL_K), ("small", 8, MATMUL_K // 2),
+                       ("mma", 64, MATMUL_K)):
+        nblocks = N * K // bs
         # the packed weight, its 8-bit scales, their 256-blocks' scales, A, the output
         required = N * K // 2 + nblocks + 4 * math.ceil(nblocks / 256) + 2 * M * K + 2 * M * N
 
         @case(f"gemm_4bit {path} nf4 nested f16 M={M} {N}x{K}", required)
-        def _(M=M):
+        def _(M=M, K=K):
             W = _randn(N * K, torch.float32, seed=1).reshape(N, K)
             packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, bs, "nf4", torch.uint8)
             offset = absmax.mean()

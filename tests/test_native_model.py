@@ -89,7 +89,8 @@ def _results(call, serve, sync) -> list[torch.Tensor]:
 
 
 def _calls():
-    """quantize, dequantize, gemm_4bit at M = 1, 5 and 40, and an 8-bit optimizer step."""
+    """quantize, dequantize, gemm_4bit at M = 1, 5 and 40 (and 6 with K = 1024: split-K), and an 8-bit
+    optimizer step."""
     g = torch.Generator().manual_seed(7)
     A = torch.randn(4096, generator=g).to(torch.float16)
     W = torch.randn(256, 128, generator=g).to(torch.float16)
@@ -108,6 +109,14 @@ def _calls():
             return ops.gemm_4bit(X, packed, [256, 128], absmax, 64, "nf4")
 
         calls[f"gemm_4bit M={M}"] = gemm
+    W2 = torch.randn(96, 1024, generator=g).to(torch.float16)
+    X2 = torch.randn(6, 1024, generator=g).to(torch.float16)
+
+    def splitk():  # (K = 1024: the split-K kernel, its workspace bound as buffers 18 and 19)
+        packed, absmax = ops.quantize_4bit(W2, 64, "nf4", torch.uint8)
+        return ops.gemm_4bit(X2, packed, [96, 1024], absmax, 64, "nf4")
+
+    calls["gemm_4bit M=6 K=1024 (split-K)"] = splitk
     case = next(c for c in fam.optimizer_cases(4_173) if "8bit" in c.label)
 
     def step():
@@ -129,6 +138,8 @@ def test_the_native_tier_computes_the_emulated_tiers_bits(model, tier, monkeypat
         before = len(metal_model.MpsBindings.launched)
         native = _results(call, lambda: metal_model.serving_cpu_ops(tier), model.synchronize)
         assert len(metal_model.MpsBindings.launched) > before, name
+        if "split-K" in name:
+            assert metal_model.MpsBindings.launched[-1] == "bnb_gemm_4bit_splitk_absmax_f16", name
         emulated = _results(call, use_emulated_kernels, lambda: None)
         assert len(native) == len(emulated) > 0, name
         for got, want in zip(native, emulated):
