@@ -1,13 +1,15 @@
 """The 4-bit matmul launchers on `meta` tensors at real model sizes: no host reads (meta tensors
-hold no data), one launch per call, and nothing allocated beyond the output (no dequantized copy
-of the weight, no float copy of the nested absmax, no copy of a strided A)."""
+hold no data), one launch per call, and nothing allocated per call beyond the output (no dequantized
+copy of the weight, no float copy of the nested absmax, no copy of a strided A). The split-K kernel's
+workspace (bnb_mps.ops.workspace) is allocated once per device, by the first call that needs it; the
+calls counted here come after such a call."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bnb_mps.ops import OPS, call
+from bnb_mps.ops import OPS, call, matmul_4bit, workspace
 from bnb_mps.testing import AllocationCounter, RecordingExecutor
 
 pytest.importorskip("bitsandbytes")
@@ -25,7 +27,11 @@ def nested_nf4_args(M, N, K, dtype=torch.bfloat16, blocksize=64, A=None, bias=Fa
             torch.empty((), dtype=offset_dtype, device=META))  # fmt: skip
 
 
-def run(name, args):
+def run(name, args, warm=True):
+    """(output, the launches, the allocations) of one call, after a first call of the same arguments
+    (`warm`: the workspace, if the call needs one, is there)."""
+    if warm:
+        call(OPS[name], args, {}, RecordingExecutor())
     rec = RecordingExecutor()
     with AllocationCounter() as alloc:
         out = call(OPS[name], args, {}, rec)
@@ -42,10 +48,21 @@ def test_gemm_4096x4096_nested_nf4_allocates_only_the_output(M, dtype):
 
 
 def test_the_goal_case_m8():
-    """The issue's figure: M = 8 on a 4096x4096 nested NF4 weight costs the 64 KiB output, nothing else."""
-    out, rec, alloc = run("gemm_4bit", nested_nf4_args(8, 4096, 4096, torch.float16))
+    """The issue's figure: M = 8 on a 4096x4096 nested NF4 weight costs the 64 KiB output per call,
+    nothing else; the first call on a device also allocates the split-K workspace, once: the partial
+    sums of M x 16 S columns per threadgroup (tiles x S x M x 16 S floats) and a counter per tile."""
+    workspace.release()
+    args = nested_nf4_args(8, 4096, 4096, torch.float16)
+    _, rec, first = run("gemm_4bit", args, warm=False)
+    out, rec, alloc = run("gemm_4bit", args, warm=False)
     assert alloc.bytes == 8 * 4096 * 2 == out.numel() * out.element_size()
-    assert rec.launched == ["bnb_gemm_4bit_small_nested_f16"]
+    assert rec.launched == ["bnb_gemm_4bit_splitk_nested_f16"]
+    S = matmul_4bit.splitk_splits(8, 4096, 2)
+    tiles = 4096 // (16 * S)
+    assert first.bytes == alloc.bytes + 4 * tiles * S * 8 * 16 * S + 4 * tiles
+    _, _, third = run("gemm_4bit", nested_nf4_args(8, 2048, 4096, torch.float16), warm=False)  # (fewer tiles)
+    assert third.bytes == 8 * 2048 * 2
+    workspace.release()
 
 
 @pytest.mark.parametrize("shape", [(4096, 14336), (14336, 4096), (11008, 4096)])
