@@ -93,6 +93,10 @@ def a_floor(N: int, K: int, M: int, dtype: torch.dtype, gemv_threadgroups: int) 
     return math.ceil(gemv_threadgroups / 2) * M * K * dtype.itemsize
 
 
+#: `lower_bound`'s bytes per output and threadgroup for deterministic split-K kernels: (2 S - 1) / S x 4 >= 6
+SPLIT_K_PARTIAL_BYTES = 6
+
+
 def lower_bound(N: int, K: int, M: int, dtype: torch.dtype, threadgroups: int,
                 partial_bytes: Optional[int] = None) -> float:
     """The least traffic (bytes) the cost model can charge any kernel that shares the M x N x K products
@@ -108,7 +112,11 @@ def lower_bound(N: int, K: int, M: int, dtype: torch.dtype, threadgroups: int,
     element of A and output is moved at least once. The bound is the larger of the two; everything
     else (scale tables, re-reads of a line by another threadgroup, partial sums read back) only adds to
     it. `partial_bytes` = p = 4: the bound of kernels whose threadgroups write float32 partial sums (a
-    split of K that rounds once, as dequantize + linear does, needs them)."""
+    split of K that rounds once, as dequantize + linear does, needs them). p = 6 (SPLIT_K_PARTIAL_BYTES):
+    kernels that split the K of every output among S >= 2 threadgroups and add the S float32 partial
+    sums in a fixed order, none waiting for another (Metal promises no progress between
+    threadgroups): all S are written and S - 1 read back by the one that adds them, at least
+    1.5 x 4 bytes per output and contributing threadgroup."""
     s = dtype.itemsize
     p = s if partial_bytes is None else partial_bytes
     v = M * N * K / threadgroups
@@ -148,8 +156,8 @@ def table(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out=
         half = math.ceil(base.threadgroups / 2)
         for M in ms:
             # the least traffic of any kernel with half the M = 1 call's threadgroups (`lower_bound`), with
-            # partial sums of the output's size and of float32
-            for label, p in (("bound", None), ("bound, f32 partials", 4)):
+            # partial sums of the output's size, of float32, and of float32 read back in a fixed order
+            for label, p in (("bound", None), ("bound, f32 partials", 4), ("bound, split K", SPLIT_K_PARTIAL_BYTES)):
                 b = lower_bound(N, K, M, dtype, half, partial_bytes=p)
                 cells = [str(M), label, f"{b / 1e6:.3f}", f"{b / base.traffic:.2f}", "", "", str(half),
                          f"{half / base.threadgroups:.2f}"]  # fmt: skip

@@ -140,8 +140,9 @@ GROUPS = {
               {"matmul_4bit_gemv": r"unaligned A", "matmul_4bit_batch": r"unaligned A",
                "matmul_4bit_tglut": r"unaligned A"}),
         Fault("the small kernel stages A ignoring its row stride (rows K apart; in a split-K slice, k_end)",
-              "gemm_4bit_small.h", "A[i * lda + kc]", "A[i * k_end + kc]", {"matmul_4bit_small": r"unaligned A", "matmul_4bit_small_wide": r"unaligned A",
-                                "matmul_4bit_splitk": r"M=12 "}),  # (its slices end before K: every case)
+              "gemm_4bit_small.h", "A[i * lda + kc]", "A[i * k_end + kc]",
+              {"matmul_4bit_small": r"unaligned A", "matmul_4bit_small_wide": r"unaligned A",
+               "matmul_4bit_splitk": r"M=12 "}),  # (its slices end before K: every case)
         Fault("the mma kernel's scalar loads of A ignore its row stride", "gemm_4bit.h", "float(A[m * lda + k + j])",
               "float(A[m * K + k + j])", {"matmul_4bit_mma": r"unaligned A"}),
         Fault("NaN enters the block maximum", "bnb_common.h",

@@ -11,7 +11,8 @@ buffers (the counters) are zero when allocated; the kernel leaves them zero afte
 Calls of one stream of a device run in order (torch's MPS stream, the emulator), so one buffer per
 device, stream and kind serves every plan; a bound plan takes the default stream's buffers when it is
 bound, and, where torch has other MPS streams (torch >= 2.15), those of the stream a call runs on
-(bnb_mps.ops.plan.BoundPlan), since two streams' kernels may run at the same time. Sizes are proportional to outputs (M x N x slices floats), not to weights.
+(bnb_mps.ops.plan.BoundPlan), since two streams' kernels may run at the same time. Sizes are
+proportional to outputs (M x N x slices floats), not to weights.
 A new choice of kernel tier (bnb_mps.executors.reset, which also drops the plans bound before it)
 starts new buffers: a faulty kernel that a failed first-use verification took out of service cannot
 leave counters set for the kernels after it.
