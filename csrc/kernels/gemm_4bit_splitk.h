@@ -43,7 +43,10 @@
 // Orders this thread's device-memory writes before its later accesses for every thread of the device:
 // Metal 3.2's atomic_thread_fence where the language has it; before 3.2 the kernel relies on
 // threadgroup_barrier(mem_flags::mem_device) and the atomic (not yet run on a Mac: first-use
-// verification on the user's GPU is what shows the protocol holds there).
+// verification on the user's GPU is what shows the protocol holds there). Metal 3.2 also has the
+// coherent(device) qualifier, which would make `work` formally coherent across threadgroups; it is
+// not used, since no compiler here can check that spelling and a unit that does not compile on a Mac
+// takes every kernel of gemm_4bit.metal with it (docs/small-batch.md).
 inline void bnb_splitk_device_fence() {
 #if __METAL_VERSION__ >= 320
     atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
