@@ -18,7 +18,8 @@ optimizers' hyperparameters and step: `Planned.dynamic`) are left out of the key
 into scalar arguments on every call (memoized, see bnb_mps.ops.optim), checking them as it goes.
 
 A launch's buffers are picked from one tuple per call (`pool`): the outputs, then the per-call
-scalars, then the plan's constant scalars, then the call's arguments (as prepared). Indices into it
+scalars, then the plan's constant scalars and its workspaces (bnb_mps.ops.workspace: per-device
+buffers taken when the plan is bound), then the call's arguments (as prepared). Indices into it
 are fixed when the plan is built, so that a launch's arguments are one `operator.itemgetter` call.
 """
 
@@ -255,7 +256,6 @@ class BoundPlan:
             if plan.finish is not None:
                 plan.finish(prepared, outs)
         return None if plan.result is None else plan.result(outs)
-
 
     def _constants_on_stream(self) -> tuple:
         """The constants and workspaces of a call on torch's current MPS stream: another stream's

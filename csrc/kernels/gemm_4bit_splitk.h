@@ -30,14 +30,13 @@
 // already read).
 //
 // Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32 and
-// 1 <= S <= 8; the slices are ceil(K / (256 S)) x 256 long (the last ones may be shorter, or empty:
-// their partial sums are 0).
+// S >= 1 (the op layer takes 2, 4 or 8); the slices are ceil(K / (256 S)) x 256 long (the last ones
+// may be shorter, or empty: their partial sums are 0).
 #pragma once
 
 #include "gemm_4bit_small.h"
 
 #define BNB_SPLITK_SIMDS 4u     // simdgroups per threadgroup: 16 columns per group
-#define BNB_SPLITK_MAX_S 8u     // slices (and groups of 16 columns per tile) at most
 #define BNB_SPLITK_ALIGN 256u   // slices start at multiples of 256 in K: a 128-byte line of a weight row
 
 // Orders this thread's device-memory writes before its later accesses for every thread of the device:
