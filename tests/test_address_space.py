@@ -57,6 +57,19 @@ def test_project_kernels_pass(clang):
     assert findings == [], "\n".join(map(str, findings))
 
 
+def test_project_kernels_pass_at_metal_3_2(clang):
+    """The spellings only Metal 3.2 compiles (the split-K kernel's atomic_thread_fence and
+    coherent(device), bnb_math_mode.h's pragmas) are compiled out everywhere else in CI: checked
+    here with __METAL_VERSION__ 320, where a name the language lacks would be an error."""
+    import dataclasses
+
+    at_32 = dataclasses.replace(clang, flags=(*clang.flags, "-D__METAL_VERSION__=320"))
+    unit = kernel_source.kernel_dir() / "gemm_4bit.metal"
+    assert address_space.check_file(unit, at_32) == []
+    text, _ = address_space.translation_unit(unit)
+    assert "atomic_thread_fence(mem_flags::mem_device" in text and "coherent(device)" in text
+
+
 def test_errors_in_included_headers_name_the_header(clang, tmp_path):
     (tmp_path / "helpers.h").write_text(
         "#pragma once\n#include <metal_stdlib>\nusing namespace metal;\n"

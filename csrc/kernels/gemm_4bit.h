@@ -189,21 +189,9 @@ inline float bnb_mm_sum4(thread const float* d) {
 
 // sum_j x[j] * w[j] over a chunk whose block scale is s, each weight w[j] = bnb_mm_weight<T>(table[nibble j], s):
 // four partial sums (element j goes to sum j % 4, C / 4 fused multiply-adds each), combined pairwise
-// (see "Accumulation" above); two variants for the table's address space.
-template <typename T, uint C>
-inline float bnb_mm_dot_c(thread const uint* w, thread const float* x, constant float* lut, float s) {
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (uint j = 0; j < C / 2u; ++j) {
-        const uint b = bnb_mm_byte(w, j);
-        const uint q = 2u * (j & 1u);
-        d[q] = fma(x[2u * j], bnb_mm_weight<T>(lut[b >> 4], s), d[q]);
-        d[q + 1u] = fma(x[2u * j + 1u], bnb_mm_weight<T>(lut[b & 15u], s), d[q + 1u]);
-    }
-    return bnb_mm_sum4(d);
-}
-
-template <typename T, uint C>
-inline float bnb_mm_dot_tg(thread const uint* w, thread const float* x, threadgroup const float* lut, float s) {
+// (see "Accumulation" above); LUT is the table's pointer type (constant or threadgroup memory).
+template <typename T, uint C, typename LUT>
+inline float bnb_mm_dot(thread const uint* w, thread const float* x, LUT lut, float s) {
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (uint j = 0; j < C / 2u; ++j) {
         const uint b = bnb_mm_byte(w, j);
@@ -241,11 +229,13 @@ inline void bnb_mm_load(device const T* a, bool vec_ok, thread float* x) {
     }
 }
 
-// The sum of v over the 32 lanes of a simdgroup, every lane getting the same bits: five levels of a
-// butterfly (lanes l and l ^ d add each other's partial sums; float addition commutes), i.e. pairwise
-// summation in a fixed order. simd_sum's order is not specified by Metal.
+// The sum of v over each aligned group of LANES lanes of a simdgroup (32: the whole simdgroup), every
+// lane of the group getting the same bits: log2(LANES) levels of a butterfly (lanes l and l ^ d add
+// each other's partial sums; float addition commutes), i.e. pairwise summation in a fixed order.
+// simd_sum's order is not specified by Metal.
+template <ushort LANES = 32>
 inline float bnb_mm_lane_sum(float v) {
-    for (ushort d = 16; d > 0; d >>= 1) {
+    for (ushort d = LANES / 2; d > 0; d >>= 1) {
         v += simd_shuffle_xor(v, d);
     }
     return v;
@@ -319,7 +309,7 @@ template <typename T, bool NESTED, bool TG_TABLE>
             uint w[C / 8u];
             bnb_mm_chunk<C>(B, idx, w);
             const float s = bnb_mm_scale<NESTED>(idx >> block_shift, absmax, absmax_8bit, absmax_code, offset);
-            acc[r] += TG_TABLE ? bnb_mm_dot_tg<T, C>(w, x, lut_tg, s) : bnb_mm_dot_c<T, C>(w, x, lut, s);
+            acc[r] += TG_TABLE ? bnb_mm_dot<T, C>(w, x, &lut_tg[0], s) : bnb_mm_dot<T, C>(w, x, lut, s);
         }
     }
     for (uint r = 0; r < R; ++r) {

@@ -99,7 +99,7 @@ inline void bnb_small_sums(device const T* A, device const uchar* B, device cons
                             c[h] = fma(float(x[4u * h + j]), w[4u * h + j], c[h]);
                         }
                     }
-                    const float d = (c[0] + c[1]) + (c[2] + c[3]);
+                    const float d = bnb_mm_sum4(c);
                     if (odd) {
                         acc_odd[i] += d;
                     } else {
@@ -112,11 +112,7 @@ inline void bnb_small_sums(device const T* A, device const uchar* B, device cons
     }
     for (uint i = 0; i < MT; ++i) {
         if (i < mcount) {  // uniform over the threadgroup
-            float u = acc_even[i] + acc_odd[i];
-            u += simd_shuffle_xor(u, 4u);
-            u += simd_shuffle_xor(u, 2u);
-            u += simd_shuffle_xor(u, 1u);
-            v[i] = u;
+            v[i] = bnb_mm_lane_sum<BNB_SMALL_LANES>(acc_even[i] + acc_odd[i]);
         }
     }
 }

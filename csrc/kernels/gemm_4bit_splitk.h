@@ -39,13 +39,19 @@
 #define BNB_SPLITK_SIMDS 4u     // simdgroups per threadgroup: 16 columns per group
 #define BNB_SPLITK_ALIGN 256u   // slices start at multiples of 256 in K: a 128-byte line of a weight row
 
-// Orders this thread's device-memory writes before its later accesses for every thread of the device:
-// Metal 3.2's atomic_thread_fence where the language has it; before 3.2 the kernel relies on
-// threadgroup_barrier(mem_flags::mem_device) and the atomic (not yet run on a Mac: first-use
-// verification on the user's GPU is what shows the protocol holds there). Metal 3.2 also has the
-// coherent(device) qualifier, which would make `work` formally coherent across threadgroups; it is
-// not used, since no compiler here can check that spelling and a unit that does not compile on a Mac
-// takes every kernel of gemm_4bit.metal with it (docs/small-batch.md).
+// The hand-over between threadgroups, from Metal 3.2 on: the workspace is coherent(device) (what one
+// threadgroup writes, another can read in the same dispatch) and atomic_thread_fence orders a
+// thread's device-memory accesses for every thread of the device (a release fence before the count,
+// an acquire fence after it, both in the thread that counts). Before 3.2 neither exists and the
+// kernel relies on threadgroup_barrier(mem_flags::mem_device) and the atomic. Not yet run on a Mac:
+// first-use verification on the user's GPU is what shows the protocol holds there; the 3.2 spelling
+// is compiled here only by the address-space check (tests/test_address_space.py, Metal 3.2).
+#if __METAL_VERSION__ >= 320
+#define BNB_DEVICE_COHERENT coherent(device)
+#else
+#define BNB_DEVICE_COHERENT
+#endif
+
 inline void bnb_splitk_device_fence() {
 #if __METAL_VERSION__ >= 320
     atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
@@ -72,7 +78,7 @@ template <typename T, bool NESTED>
     constant uint& offset_kind [[buffer(15)]],
     constant uint& flags [[buffer(16)]],
     constant uint& splits [[buffer(17)]],
-    device float* work [[buffer(18)]],
+    BNB_DEVICE_COHERENT device float* work [[buffer(18)]],
     device atomic_uint* counters [[buffer(19)]],
     uint2 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -97,7 +103,7 @@ template <typename T, bool NESTED>
     const uint k_begin = min(K, slice * span);
     const uint k_end = min(K, k_begin + span);
     // This threadgroup's slot: [mcount][cols] float32 partial sums.
-    device float* slot = work + (tile * S + slice) * (mcount * cols);
+    BNB_DEVICE_COHERENT device float* slot = work + (tile * S + slice) * (mcount * cols);
 
     for (uint g = 0; g < S; ++g) {
         const uint col = g * GROUP + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES;  // in the tile
@@ -115,19 +121,22 @@ template <typename T, bool NESTED>
         }
     }
 
-    // Count this threadgroup in, after all of its partial sums are written.
+    // Count this threadgroup in, after all of its partial sums are written (the barrier: every thread's
+    // writes before thread 0's count; the fences: release before it, acquire after it).
     threadgroup_barrier(mem_flags::mem_device);
-    bnb_splitk_device_fence();
     if (tid == 0u) {
-        last[0] = atomic_fetch_add_explicit(&counters[tile], 1u, memory_order_relaxed) == S - 1u ? 1u : 0u;
+        bnb_splitk_device_fence();
+        const uint counted = atomic_fetch_add_explicit(&counters[tile], 1u, memory_order_relaxed);
+        bnb_splitk_device_fence();
+        last[0] = counted == S - 1u ? 1u : 0u;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // (and what thread 0 may now see, every thread of the threadgroup)
+    threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
     if (last[0] == 0u) {  // (uniform over the threadgroup)
         return;
     }
-    bnb_splitk_device_fence();
     // The last of the tile's S threadgroups: every output of the tile, its slots added in slice order.
-    device const float* tile_work = work + tile * S * (mcount * cols);
+    BNB_DEVICE_COHERENT device const float* tile_work = work + tile * S * (mcount * cols);
     for (uint e = tid; e < mcount * cols; e += THREADS) {
         const uint i = e / cols;
         const uint col = e % cols;

@@ -34,7 +34,11 @@
 #define write_only bnb_as_identifier_write_only
 #define read_write bnb_as_identifier_read_write
 #define pipe bnb_as_identifier_pipe
+#ifndef __METAL_VERSION__  // (-D__METAL_VERSION__=320 checks the Metal 3.2 spellings)
 #define __METAL_VERSION__ 310
+#endif
+// coherent(device) / coherent(system) (Metal 3.2): a qualifier of the pointee; nothing to check here.
+#define coherent(scope)
 #define __HAVE_BFLOAT__ 1
 #define __METAL_BNB_ADDRESS_SPACE_CHECK__ 1
 
@@ -481,8 +485,8 @@ enum memory_order {
   memory_order_acq_rel,
   memory_order_seq_cst,
 };
-enum class thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
-void atomic_thread_fence(mem_flags flags, memory_order order, thread_scope scope = thread_scope::thread_scope_device);
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+void atomic_thread_fence(mem_flags flags, memory_order order, thread_scope scope = thread_scope_device);
 
 // --- SIMD-group functions ------------------------------------------------------------------------
 #define BNB_AS_SIMD1(name) \
