@@ -114,9 +114,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"cannot measure the {tier} tier now: {e}")
         return 1
     gpu = clock.name == "gpu"
-    # bitsandbytes' own implementation: for the CPU key where bnb-mps serves it (the model of torch's MPS
-    # runtime), else the one the MPS registration captured
-    stock = registration.stock_kernel("CPU", "gemm_4bit") or registration.stock_kernel("MPS", "gemm_4bit")
+    # bitsandbytes' own implementation for the device the calls run on: on mps the one the MPS
+    # registration captured; on CPU tensors (the emulated tier, the model of torch's MPS runtime) the
+    # CPU key's where bnb-mps serves it, else the MPS capture (bitsandbytes' pure-PyTorch kernel)
+    stock = registration.stock_kernel("MPS", "gemm_4bit") if device.type == "mps" else (
+        registration.stock_kernel("CPU", "gemm_4bit") or registration.stock_kernel("MPS", "gemm_4bit"))
     chip = chips.detect()
     machine = verify.machine()
     print(f"Tuning gemm_4bit (NF4, blocksize {BLOCKSIZE}, nested block scales, {args.dtype} activations) on the "

@@ -438,6 +438,9 @@ def test_math_mode_is_pinned_where_compile_shader_uses_metal_3_2(torch_ver, maco
     ((2, 15), (14, 6), "3.2", True),
     ((2, 15), (26, 0), "4.0", True),
     ((2, 15), (15, 0), "not-a-version", True),  # (ignored: its default, 3.2)
+    ((2, 15), (15, 0), "3.0", True),  # (torch takes 3.1, 3.2 and 4.0 only, as spelled: MPSDevice.mm)
+    ((2, 15), (15, 0), " 3.1", True),
+    ((2, 15), (26, 0), "4.1", True),
     ((2, 13), (15, 0), "3.1", True),  # torch 2.13 does not read it
 ])  # fmt: skip
 def test_metal_version_override_of_torch_2_15_decides_the_math_mode(torch_ver, macos, value, pinned):

@@ -377,6 +377,29 @@ def test_each_stream_has_its_own_split_k_workspace(version):
                 assert torch.count_nonzero(buf) == 0
 
 
+def test_a_plan_first_called_on_another_stream_takes_no_workspace_of_the_default_one():
+    """torch 2.15: a split-K plan bound by a call on another stream takes that stream's workspace only;
+    the default stream's is made (allocated and zeroed) by the first call on the default stream, so
+    its zeroing is ordered before that stream's kernels (made on the other stream, it would not be)."""
+    from bnb_mps.ops import workspace
+
+    workspace.release()
+    args = gemm_args(5, K=512)
+    with use_emulated_kernels():
+        want, _ = run("gemm_4bit", args)
+    with use_modelled_mps("2.15"):
+        side = torch.mps.Stream()
+        with torch.mps.stream(side):
+            first, _ = run("gemm_4bit", args)
+        streams = {key[5] for key in workspace._buffers if key[1] == "splitk counters"}
+        assert streams == {side._stream.number}, streams
+        again, _ = run("gemm_4bit", args)
+        torch.mps.synchronize()
+        streams = {key[5] for key in workspace._buffers if key[1] == "splitk counters"}
+        assert streams == {0, side._stream.number}, streams
+        assert identical(first, want) and identical(again, want)
+
+
 def test_deterministic_algorithms_take_the_built_in_route(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) nothing is tuned, even with BNB_MPS_TUNE=1: two
     Macs compute the same bits (the emulated tier's built-in route)."""

