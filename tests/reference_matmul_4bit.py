@@ -177,13 +177,6 @@ def max_abs(x) -> float:
     return float(np.max(np.abs(x))) if x.size else 0.0
 
 
-def rel_to_ulp_of_sum(y: torch.Tensor, want: np.ndarray, S: np.ndarray) -> float:
-    """max |y - want| / ulp32(S): the error in float32 ulps of the magnitude of each element's sum."""
-    if y.numel() == 0:
-        return 0.0
-    return float(np.max(np.abs(as_f64(y) - want) / ulp32(S)))
-
-
 def blocks(n: int, size: int) -> int:
     return math.ceil(n / size)
 
@@ -208,35 +201,13 @@ def fp32_units(K: int) -> float:
     """docs/semantics.md section 4's float32 accuracy target: |y - y64| per output element, in units of
     2^-24 * S against the exact (float64) product of the same weights, on any data: 5 units up to
     K = 4096 terms, growing like sqrt(K) beyond (the typical growth of the kernels' rounding error when
-    every term has the same sign; worst_case_units is the bound that holds for every input)."""
+    every term has the same sign; section 4's bound for every input, gamma_D, is larger)."""
     return 5.0 * max(1.0, math.sqrt(K / 4096))
 
 
 #: docs/semantics.md section 4, on data whose terms have random signs (as real activations and weights
 #: do): the kernels stay below 1 unit; this is the bound the tests hold them to there.
 SIGNED_UNITS = 1.5
-
-
-def worst_case_units(path: str, K: int) -> float:
-    """The bound every input satisfies (docs/semantics.md section 4): D * u / (1 - D * u) in units of
-    2^-24 * S (u = 2^-24, Higham's gamma_D), D the most roundings any term undergoes on its way into the
-    sum, by the kernel's order of summation (csrc/kernels/gemm_4bit.h, "Accumulation"), one more for a bias:
-    - gemv (and its threadgroup-table variant): 8 fused multiply-adds in a chunk's partial sum, 2 pairwise
-      levels, ceil(K / 1024) - 1 additions over the lane's steps, 5 butterfly levels over the lanes;
-    - batch: 4, 2, ceil(K / 512) - 1, 5;
-    - mma: 32 fused multiply-adds in a K step's tile, 7 additions in a group of 8 steps,
-      ceil(K / 256) - 1 additions of the groups;
-    - small (and its wide variant): 4 fused multiply-adds in a chain, 2 pairwise levels over the 4 chains
-      of a lane's 16 columns of a 128-column step, ceil(K / 256) - 1 additions over the steps into the
-      row's two accumulators (alternate steps), 1 combining them, 3 pairwise levels over a row's 8 lanes;
-    - splitk: the small kernel's over each slice of K (at most ceil(K / 256) - 1 step additions), then
-      the S <= 8 slices' partial sums added in order (7 more at most)."""
-    steps = {"gemv": 1024, "gemv/tglut": 1024, "batch": 512, "mma": 256, "small": 256, "small/wide": 256,
-             "splitk": 256}[path]  # fmt: skip
-    inner = {"gemv": 8 + 2 + 5, "gemv/tglut": 8 + 2 + 5, "batch": 4 + 2 + 5, "mma": 32 + 7, "small": 4 + 2 + 1 + 3,
-             "small/wide": 4 + 2 + 1 + 3, "splitk": 4 + 2 + 1 + 3 + 7}[path]  # fmt: skip
-    D = inner + max(0, math.ceil(K / steps) - 1) + 1
-    return D / (1 - D * UNIT)
 
 
 #: outputs with at least this many elements are also compared in aggregate with the

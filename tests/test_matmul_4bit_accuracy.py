@@ -1,12 +1,13 @@
 """docs/semantics.md section 4's float32 accuracy of the 4-bit products, measured on every kernel path
-(gemv, its threadgroup-table variant, batch, mma) under the emulator, at M = 1 to 128 and K up to 4096.
+(gemv, its threadgroup-table variant, batch, small, its wide variant, split-K, mma) under the emulator,
+at M = 1 to 128 (up to 32 for small and split-K) and K up to 4096.
 
 The error of each output element is taken against the float64 product of the same dequantized
 weights (tests/reference_matmul_4bit.py, written from docs/semantics.md sections 3 and 4, independent
 of the kernels), in units of 2^-24 * S, S = sum |a*w|. The emulator computes as Apple GPUs do where
 that matters here: simdgroup_matrix products with fused multiply-adds, float32 subnormals flushed
-(csrc/emu). Each case asserts section 4's three statements:
-- the bound every input satisfies, by the kernel's order of summation (`worst_case_units`);
+(csrc/emu). Each case asserts section 4's targets (its bound for every input, gamma_D, is larger than
+both, so it holds where they do):
 - the target on any data, `fp32_units(K)`: here on data whose terms all have the same sign (positive
   activations and weights), where rounding errors grow the most;
 - on data with random signs, at most `SIGNED_UNITS` (1.5 units).
@@ -27,7 +28,6 @@ import spec_reference as ref
 from kernel_harness import EmulatedExecutor
 from bnb_mps.ops import matmul_4bit
 
-emulator = pytest.importorskip("bnb_mps.emulator")
 
 PATHS = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "mma")
 MS = (1, 2, 5, 8, 16, 40, 128)
@@ -72,7 +72,6 @@ def test_float32_error_against_float64(library, path, K):
             y, A, W = product(library, path, M, K, signs, seed=M + K)
             e = units(y, A, W)
             figures[M, signs] = round(e, 2)
-            assert e <= R.worst_case_units(path, K), (M, signs, e)
             assert e <= R.fp32_units(K), (M, signs, e)
             if signs == "signed":
                 assert e <= R.SIGNED_UNITS, (M, signs, e)

@@ -68,20 +68,23 @@ def test_llama_shapes(executor, shape, M):
 def test_split_k_gives_the_same_bits_every_time(executor, dtype):
     """The split-K kernel's threadgroups meet through device memory (csrc/kernels/gemm_4bit_splitk.h): the
     last of a tile to count adds the tile's partial sums. On the GPU, with threadgroups truly running at
-    once, 30 calls of each shape must give the same bits, within the reference's bound, and leave every
-    counter of the workspace at 0 (what the emulator shows with threadgroups in several orders)."""
+    once, 30 calls of each shape alternating A and -A (so that a partial sum read before its slice wrote
+    it, still holding the previous call's, gives another number) must each give the bits of the first
+    call with the same A, within the reference's bound, and leave every counter of the workspace at 0
+    (what the emulator shows with threadgroups in several orders)."""
     from bnb_mps.ops import workspace
 
     for M, N, K in ((5, 4096, 4096), (32, 11008, 4096), (13, 1000, 1040)):
         case = Case(M, N, K, dtype=dtype, nested=True, bias=True, seed=M + K)
         assert matmul_4bit.choose_path(M, N, K) == "splitk"
         A, args, W, bias = gemm_args(case, "mps")
-        first = ops.call(ops.OPS["gemm_4bit"], tuple(args), {}, executor)
-        again = [ops.call(ops.OPS["gemm_4bit"], tuple(args), {}, executor) for _ in range(29)]
+        signed = [args, [-args[0], *args[1:]]]
+        ys = [ops.call(ops.OPS["gemm_4bit"], tuple(signed[i % 2]), {}, executor) for i in range(30)]
         torch.mps.synchronize()
-        for y in again:
-            assert torch.equal(y.cpu().view(torch.uint8), first.cpu().view(torch.uint8)), (M, N, K)
-        R.check_accuracy(first.cpu().reshape(-1, N), A.cpu().reshape(-1, K), W, bias, linear_device="mps")
+        for i, y in enumerate(ys):
+            assert torch.equal(y.cpu().view(torch.uint8), ys[i % 2].cpu().view(torch.uint8)), (M, N, K, i)
+        for sign, y in ((1, ys[0]), (-1, ys[1])):
+            R.check_accuracy(y.cpu().reshape(-1, N), sign * A.cpu().reshape(-1, K), W, bias, linear_device="mps")
         counters = [buf for key, buf in workspace._buffers.items() if key[1] == "splitk counters"]
         assert counters and all(torch.count_nonzero(c.cpu()) == 0 for c in counters)
 

@@ -16,8 +16,6 @@ from matmul_4bit_cases import Case, gemm_args
 from bnb_mps.ops import matmul_4bit, workspace
 from bnb_mps.ops.plan import BoundPlan
 
-pytest.importorskip("bnb_mps.emulator")
-
 
 @pytest.fixture(autouse=True)
 def fresh_workspaces():
@@ -92,10 +90,8 @@ def test_a_call_allocates_its_output_only(library):
     assert [t.untyped_storage().data_ptr() for t in work] == \
         [t.untyped_storage().data_ptr() for t in two._constants if isinstance(t, torch.Tensor)]
     y = one(tuple(args))
-    want = torch.from_numpy(R.matmul(A.reshape(-1, case.K), W)).to(case.dtype)
     assert y.shape == (case.M, case.N)
     R.check_accuracy(y, A.reshape(-1, case.K), W, bias)
-    assert want.shape == y.shape
 
 
 def test_workspace_grows_and_refuses_negative_sizes():

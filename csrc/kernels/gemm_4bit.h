@@ -6,8 +6,9 @@
 // `lda` (elements), y is [M, N] contiguous. Everything accumulates in float32 and is rounded once
 // to T at the end (bias added before that rounding).
 //
-// These three kernels and gemm_4bit_small.h's share one set of buffers and scalars (see
-// gemm_4bit.metal); the op layer picks one by (M, N, K), never by data:
+// These three kernels, gemm_4bit_small.h's and gemm_4bit_splitk.h's share one set of buffers and
+// scalars (see gemm_4bit.metal; the split-K kernel has three more: S and its workspace); the op layer
+// picks one by (M, N, K), never by data:
 //
 //   bnb_gemv_4bit        M = 1 (decode). The MLX qmv_fast design: 2 simdgroups x 4 output rows
 //                        per threadgroup; each lane holds 32 activations in registers and reads,

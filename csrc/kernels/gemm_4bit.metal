@@ -6,12 +6,14 @@
 //
 //   bnb_gemv_4bit_<sc>_<dt>         M = 1 (decode), table read from constant memory
 //   bnb_gemv_4bit_tglut_<sc>_<dt>   the same with the table copied to threadgroup memory
-//   bnb_gemm_4bit_batch_<sc>_<dt>   2 <= M <= 8 (and M = 1 when K % 32 != 0)
-//   bnb_gemm_4bit_mma_<sc>_<dt>     larger M, or K % 16 != 0
-//   bnb_gemm_4bit_small_<sc>_<dt>   2 <= M <= 32, each weight byte read once (gemm_4bit_small.h)
+//   bnb_gemm_4bit_batch_<sc>_<dt>   up to 8 rows of A per threadgroup (M = 1 when K % 32 != 0; a
+//                                   tuning route up to M = 32)
+//   bnb_gemm_4bit_mma_<sc>_<dt>     M > 32, or K % 16 != 0
+//   bnb_gemm_4bit_small_<sc>_<dt>   2 <= M <= 32 below K = 512, each weight byte read once
+//                                   (gemm_4bit_small.h)
 //   bnb_gemm_4bit_small_wide_<sc>_<dt>  the same with 8 weight rows per threadgroup (gemv's grid)
-//   bnb_gemm_4bit_splitk_<sc>_<dt>  2 <= M <= 32, each weight byte read once, K split over S
-//                                   threadgroups per tile of columns (gemm_4bit_splitk.h)
+//   bnb_gemm_4bit_splitk_<sc>_<dt>  2 <= M <= 32 from K = 512, each weight byte read once, K split
+//                                   over S threadgroups per tile of columns (gemm_4bit_splitk.h)
 //
 // Buffers (the same for all seven; unused ones are bound to any non-empty buffer, never read):
 //   buffer(0)  A             device const <dt>*    [M, K] with row stride lda (elements)
