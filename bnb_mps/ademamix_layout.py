@@ -129,9 +129,7 @@ def ademamix8bit_state_to_cuda(optimizer) -> int:
 def _convert(optimizer, fn) -> int:
     count = 0
     for st in optimizer.state.values():
-        s1 = st.get("state1") if isinstance(st, dict) else None
-        a1 = st.get("absmax1")
-        if isinstance(s1, torch.Tensor) and s1.dtype == torch.uint8 and isinstance(a1, torch.Tensor) and a1.dim() == 2:
+        if _is_ademamix8(st):
             new1, newa = fn(st)
             st["state1"].copy_(new1)
             st["absmax1"].copy_(newa)
@@ -188,7 +186,7 @@ def install() -> bool:
     global _original
     try:
         from bitsandbytes.optim.optimizer import Optimizer8bit
-    except Exception:
+    except ImportError:
         return False
     with _lock:
         if _original is None:

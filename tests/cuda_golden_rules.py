@@ -31,7 +31,7 @@ def _boundary(quant: str, a: int, b: int) -> float | None:
     if quant == "q8":
         if abs(a - b) != 1:
             return None
-        return float(sref.thresholds(_dynamic_code())[min(a, b)])
+        return float(sref.thresholds(dynamic_code())[min(a, b)])
     if quant == "nf4":
         if abs(a - b) != 1:
             return None
@@ -49,7 +49,7 @@ def _boundary(quant: str, a: int, b: int) -> float | None:
 _CODE8 = None
 
 
-def _dynamic_code() -> np.ndarray:
+def dynamic_code() -> np.ndarray:
     global _CODE8
     if _CODE8 is None:
         import bitsandbytes.functional as F

@@ -99,7 +99,7 @@ def _check_quantize(case, got, cuda) -> list[str]:
     s = sref.scaled_values(xf, absmax, bs)
     huge = np.repeat(absmax > rules.RECIP_SUBNORMAL, bs)[:n]
     if quant == "q8":
-        ref = sref.index_8bit(s, golden_code8())
+        ref = sref.index_8bit(s, rules.dynamic_code())
         mine, theirs = got[0].numpy().reshape(-1), cuda[0].numpy().reshape(-1)
     else:
         ref = sref.index_nf4(s) if quant == "nf4" else sref.index_fp4(s)
@@ -115,22 +115,13 @@ def _check_quantize(case, got, cuda) -> list[str]:
         problems.append("dequantized values differ where the codes are equal")
     ops = torch.ops.bitsandbytes
     if quant == "q8":
-        theirs_deq = ops.dequantize_blockwise(cuda[0], cuda[1], torch.from_numpy(golden_code8()), bs, DT[case.dtype])
+        theirs_deq = ops.dequantize_blockwise(cuda[0], cuda[1], torch.from_numpy(rules.dynamic_code()), bs, DT[case.dtype])
     else:
         theirs_deq = ops.dequantize_4bit(cuda[0], cuda[1], bs, quant, [n], DT[case.dtype])
     problems += [f"CUDA's codes dequantized: {p}" for p in rules.bits_equal(theirs_deq, cuda[2])]
     return problems
 
 
-_CODE8 = []
-
-
-def golden_code8() -> np.ndarray:
-    if not _CODE8:
-        import bitsandbytes.functional as F
-
-        _CODE8.append(F.create_dynamic_map().float().numpy())
-    return _CODE8[0]
 
 
 QUANT = [("main", "q8"), ("main", "q4"), ("edge", "q8"), ("edge", "q4"), ("edge", "edge-q8"), ("edge", "edge-q4"),

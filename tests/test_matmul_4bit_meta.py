@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bnb_mps.ops import OPS, call, matmul_4bit, workspace
+from bnb_mps.ops import OPS, call, workspace
 from bnb_mps.testing import AllocationCounter, RecordingExecutor
 
 pytest.importorskip("bitsandbytes")
@@ -50,19 +50,23 @@ def test_gemm_4096x4096_nested_nf4_allocates_only_the_output(M, dtype):
 def test_the_goal_case_m8():
     """The issue's figure: M = 8 on a 4096x4096 nested NF4 weight costs the 64 KiB output per call,
     nothing else; the first call on a device also allocates the split-K workspace, once: the partial
-    sums of M x 16 S columns per threadgroup (tiles x S x M x 16 S floats) and a counter per tile."""
+    sums of M x 16 S columns per threadgroup (tiles x S x M x 16 S floats) and a counter per tile, with
+    S = 4 slices (docs/small-batch.md: 4096 / 64 = 64 tiles of 64 columns)."""
     workspace.release()
-    args = nested_nf4_args(8, 4096, 4096, torch.float16)
-    _, rec, first = run("gemm_4bit", args, warm=False)
-    out, rec, alloc = run("gemm_4bit", args, warm=False)
-    assert alloc.bytes == 8 * 4096 * 2 == out.numel() * out.element_size()
-    assert rec.launched == ["bnb_gemm_4bit_splitk_nested_f16"]
-    S = matmul_4bit.splitk_splits(8, 4096, 2)
-    tiles = 4096 // (16 * S)
-    assert first.bytes == alloc.bytes + 4 * tiles * S * 8 * 16 * S + 4 * tiles
-    _, _, third = run("gemm_4bit", nested_nf4_args(8, 2048, 4096, torch.float16), warm=False)  # (fewer tiles)
-    assert third.bytes == 8 * 2048 * 2
-    workspace.release()
+    try:
+        args = nested_nf4_args(8, 4096, 4096, torch.float16)
+        _, rec, first = run("gemm_4bit", args, warm=False)
+        out, rec, alloc = run("gemm_4bit", args, warm=False)
+        assert alloc.bytes == 8 * 4096 * 2 == out.numel() * out.element_size()
+        assert rec.launched == ["bnb_gemm_4bit_splitk_nested_f16"]
+        ((_, grid, _, _),) = rec.launches
+        S, tiles = 4, 64
+        assert grid == (tiles, S, 1)
+        assert first.bytes == alloc.bytes + 4 * tiles * S * 8 * 16 * S + 4 * tiles
+        _, _, third = run("gemm_4bit", nested_nf4_args(8, 2048, 4096, torch.float16), warm=False)  # (fewer tiles)
+        assert third.bytes == 8 * 2048 * 2
+    finally:
+        workspace.release()
 
 
 @pytest.mark.parametrize("shape", [(4096, 14336), (14336, 4096), (11008, 4096)])

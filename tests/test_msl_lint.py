@@ -207,8 +207,8 @@ def test_every_unit_preprocessed_at_each_language_version_pins_contraction_first
         out = math_mode.preprocess(text, version)
         assert math_mode.preprocessed_finding(out) is None, (name, version)
         first_code = out.splitlines()[math_mode._first_code_line(out.splitlines())]
-        assert first_code.startswith("__bnb_system_header__ metal_stdlib"), (name, first_code)
-        head, _, tail = out.partition("__bnb_system_header__")
+        assert first_code.startswith(f"{math_mode.SYSTEM_HEADER_MARK} metal_stdlib"), (name, first_code)
+        head, _, tail = out.partition(math_mode.SYSTEM_HEADER_MARK)
         tail = tail.splitlines()[1:]
         tail = "\n".join(tail[: math_mode._first_code_line(tail)])  # (after <metal_stdlib>, before code)
         for part in (head, tail):

@@ -31,6 +31,7 @@ def test_the_faults_name_files_and_tests_that_exist():
     assert len(ids) == len(set(ids))
     for f in mutation_check.FAULTS:
         assert (REPO / f.file).is_file() and f.old != f.new, f.id
+        assert (REPO / f.file).read_text(encoding="utf-8").count(f.old) == 1, f"{f.id}: its text went stale"
         assert (REPO / f.tests[0].split("::")[0]).is_file(), f.id
 
 

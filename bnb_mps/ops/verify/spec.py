@@ -232,9 +232,9 @@ def _int8_column_code(x: float, maximum: float, dtype: torch.dtype) -> int:
     """A column code: round_half_even(fl32(float(T(x * 127)) / maximum)), T = A's dtype, clamped;
     0 / 0, x / NaN and inf / inf give 0."""
     times127 = torch.tensor(x * 127.0, dtype=torch.float64).to(dtype).item()  # (x * 127 is exact in a double)
-    if maximum == 0.0 or maximum != maximum or math.isinf(maximum) and math.isinf(times127):
+    if maximum == 0.0:
         return 0
-    return _int8_round(round32(times127 / maximum))
+    return _int8_round(round32(times127 / maximum))  # (x / NaN and inf / inf are NaN, coded 0)
 
 
 def _int8_outliers(rows: list[list[float]], threshold: float) -> list[list[bool]]:
