@@ -35,15 +35,9 @@ class Figures:
     threadgroups: int
     traffic: int  # modelled DRAM traffic, bytes
     a_traffic: int  # the part of it in A's buffer
-    a_lines: int  # lines of A touched at all
     b_traffic: int  # the part of the traffic in the packed weight's buffer
     b_lines: int  # lines of the packed weight touched at all
     unique: int  # bytes of the lines touched at all
-
-    @property
-    def other_traffic(self) -> int:
-        """Everything but A: the weight, its scales, the bias, the output."""
-        return self.traffic - self.a_traffic
 
     def seconds(self, gbps: float) -> float:
         return self.traffic / (gbps * 1e9)
@@ -79,18 +73,8 @@ def profile(N: int, K: int, M: int, dtype: torch.dtype, path: Optional[str] = No
     return Figures(path or matmul_4bit.choose_path(M, N, K), M, tuple(rec.launched),
                    sum(p.threadgroups for p in ps), sum(p.traffic_bytes for p in ps),
                    sum(p.buffers[A_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
-                   max(p.buffers[A_ARG].lines for p in ps),
                    sum(p.buffers[B_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
                    max(p.buffers[B_ARG].lines for p in ps), sum(p.lines * p.line_bytes for p in ps))  # fmt: skip
-
-
-def a_floor(N: int, K: int, M: int, dtype: torch.dtype, gemv_threadgroups: int) -> int:
-    """The least A traffic the cost model charges a one-launch kernel that reads each weight byte once,
-    runs every threadgroup over the whole of K (no partial sums between threadgroups, as the small
-    kernel) and spreads N over at least half the gemv kernel's threadgroups: every threadgroup that
-    computes a column of y reads all M rows of A over the whole of K, so A costs (threadgroups) x (A's
-    bytes) at least. The split-K kernel escapes it by giving each threadgroup a slice of K."""
-    return math.ceil(gemv_threadgroups / 2) * M * K * dtype.itemsize
 
 
 #: `lower_bound`'s bytes per output and threadgroup for deterministic split-K kernels: (2 S - 1) / S x 4 >= 6

@@ -19,6 +19,7 @@ import pytest
 from extras import profile_compiler
 import torch
 
+from matmul_4bit_cases import DT
 from script_loader import load_script
 
 pytest.importorskip("bitsandbytes")
@@ -37,13 +38,13 @@ def profiler():
 def check_targets(N: int, K: int, dtype: torch.dtype, ms) -> list[str]:
     """The targets on every M of `ms`; returns one line of figures per M (for the log)."""
     one = cm.profile(N, K, 1, dtype)
-    assert one.path == "gemv" and one.kernels == (f"bnb_gemv_4bit_nested_{_dt(dtype)}",)
+    assert one.path == "gemv" and one.kernels == (f"bnb_gemv_4bit_nested_{DT[dtype]}",)
     half = math.ceil(one.threadgroups / 2)
     lines = []
     for M in ms:
         f = cm.profile(N, K, M, dtype)
         what = f"{N}x{K} M={M} {dtype}"
-        assert f.kernels == (f"bnb_gemm_4bit_splitk_nested_{_dt(dtype)}",), what  # one launch
+        assert f.kernels == (f"bnb_gemm_4bit_splitk_nested_{DT[dtype]}",), what  # one launch
         assert f.threadgroups >= half, what
         # each weight byte once: the weight's traffic is its own lines, no threadgroup re-reads another's
         assert f.b_traffic == f.b_lines * 128 <= one.b_traffic, what
@@ -55,10 +56,6 @@ def check_targets(N: int, K: int, dtype: torch.dtype, ms) -> list[str]:
         assert f.traffic >= cm.lower_bound(N, K, M, dtype, f.threadgroups, partial_bytes=cm.SPLIT_K_PARTIAL_BYTES), what
         lines.append(f"{what}: traffic {ratio:.2f}x, threadgroups {f.threadgroups}/{one.threadgroups}")
     return lines
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
