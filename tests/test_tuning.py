@@ -398,6 +398,51 @@ def test_routes_of_an_unverified_family_are_never_candidates(fresh_tier_selectio
         verify.reset()
 
 
+def test_a_split_k_kernel_that_fails_verification_gives_way_to_the_small_kernel(fresh_tier_selection, tmp_path):
+    """A GPU tier (the emulated executor standing in as "shader") on which the split-K kernels' partial
+    sums never reach the output (their launches dropped, as if the threadgroups' hand-over did not
+    hold on this GPU): matmul_4bit_splitk fails first-use verification, and the calls it would serve
+    (2 <= M <= 32, K >= 512) take the small kernel, with tuning off and on, the ops staying on the tier;
+    the split-K kernels never run for the user."""
+    class Dropping(RecordingExecutor):
+        def launch(self, kernel, *, grid, threadgroup, args):
+            if "_splitk_" in kernel:
+                self.launches.append((kernel, tuple(grid), tuple(threadgroup), []))
+                return
+            super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    calls = {M: gemm_args(M, N=40, K=1024, dtype=torch.float16, bias=True, seed=M) for M in (3, 8)}
+    assert all(ops.matmul_4bit.choose_path(M, 40, 1024) == "splitk" for M in calls)
+    wants = {M: gemm_by_hand("small", args) for M, args in calls.items()}
+    stand_in = Dropping(executors.load_tier("emulated"))
+    stand_in.name = "shader"
+
+    def load(name):
+        if name == "shader":
+            return stand_in
+        raise executors.ExecutorUnavailable(f"{name} stands in as unavailable")
+
+    fresh_tier_selection.setattr(executors, "load_tier", load)
+    fresh_tier_selection.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))  # (its failure stays here)
+    verify.reset()
+    executors.reset()
+    try:
+        assert not verify.verdict("matmul_4bit_splitk", "shader", stand_in).passed
+        stand_in.clear()
+        for M, how in ((3, "0"), (8, "1")):  # tuning off, then on
+            fresh_tier_selection.setenv(tuning.ENV_VAR, how)
+            with fixed_timings(times_favouring("splitk")):
+                got = ops.op_packet("gemm_4bit").redispatch(MPS, *copy.deepcopy(calls[M]))
+            assert same_bits(got, wants[M]), M
+        assert ops.route("gemm_4bit").tier == "shader"  # (the family takes no op off the tier)
+        assert not [k for k in stand_in.launched if "_splitk_" in k] and any("_small_" in k for k in stand_in.launched)
+        row = row_of("gemm_4bit", key=candidates._matmul_key("gemm_4bit", calls[8]))
+        assert row["default"] == "small" and row["choice"] != "splitk", row
+        assert "matmul_4bit_splitk did not pass" in row["left_out"]["splitk"]
+    finally:
+        verify.reset()
+
+
 # -- the cache ------------------------------------------------------------------------------------------------
 
 

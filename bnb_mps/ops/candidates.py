@@ -18,7 +18,8 @@ gemm_4bit, bitsandbytes); the 4-bit and 8-bit blockwise quantize and dequantize 
 optimizer (kernel, bitsandbytes); int8_linear_matmul (kernel, torch._int_mm). Every other op has its
 kernel alone. A route other than the
 built-in one is a candidate only where the kernel families it runs passed first-use verification
-(`Candidate.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify).
+(`Candidate.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify). The built-in `splitk` path
+gives way to `small` where its family did not pass (FALLBACK).
 
 The shape key says what a choice holds for: the op, the activations' dtype, N, K, blocksize,
 quant_type, nested block scales or not, bias or not, and M (rows of A) rounded up to a power of two
@@ -38,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from ..executors import GPU_TIERS, shader
+from . import verify
 from .dequantize_linear import DequantizeLinear
 from .plan import BoundPlan
 from .registry import OpDef, argument_spec
@@ -54,6 +56,11 @@ PATH_FAMILIES = {"gemv": ("matmul_4bit_gemv",), "gemv/tglut": ("matmul_4bit_tglu
                  "batch": ("matmul_4bit_batch",), "small": ("matmul_4bit_small",),
                  "small/wide": ("matmul_4bit_small_wide",), "splitk": ("matmul_4bit_splitk",),
                  "mma": ("matmul_4bit_mma",)}  # fmt: skip
+
+#: a built-in path whose kernel family is not one of its ops' gate (bnb_mps.ops.verify.families) -> the
+#: path that serves its calls where that family did not pass first-use verification: the split-K
+#: kernel's threadgroups meet through device memory, which only the user's GPU can show to hold
+FALLBACK = {"splitk": "small"}
 
 #: rows of A are rounded up to a power of two up to this; more rows make one bucket above it,
 #: measured at this many rows (the routes are throughput-bound there and rank alike)
@@ -91,15 +98,20 @@ def m_bucket(M: int) -> int:
     return 1 << max(M - 1, 0).bit_length()
 
 
-def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]) -> Candidates:
+def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable], verified: bool = True) -> Candidates:
     """The routes for a call of planned op `op` (arguments in schema order, checked) on `tier`,
-    whose kernels run on `executor`; `stock` is bitsandbytes' own implementation, or None."""
+    whose kernels run on `executor`; `stock` is bitsandbytes' own implementation, or None.
+    `verified` (as for tuning.choose): a built-in path of FALLBACK whose family did not pass first-use
+    verification on `tier` gives way to its fallback, which becomes the built-in route."""
     planned = op.planned
     paths = planned.paths(*args) if planned is not None and planned.paths is not None else ("kernel",)
+    builtin = paths[0]  # (what the planner plans without a route)
+    if verified and builtin in FALLBACK and verify.unverified(PATH_FAMILIES[builtin], tier, executor):
+        paths = (FALLBACK[builtin], *(p for p in paths if p != FALLBACK[builtin]))
     counted = (op.name, tier)
 
     def kernel(path: str) -> Candidate:
-        route = None if path == paths[0] else path  # (the planner plans the built-in path without one)
+        route = None if path == builtin else path
 
         def build(a: Sequence):
             if planned is None:  # (an op without a planner: its kernel function)

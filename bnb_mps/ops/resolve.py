@@ -83,10 +83,11 @@ def _resolve(op: OpDef, args: list, where: Where) -> tuple[Any, bool]:
         return RoundTrip(op.name), True
     if op.planned is None and not candidates.has_other_routes(op, tier):
         return Unplanned(op.name, op.kernel, executor, tier), True
-    routes = candidates.of(op, args, executor, tier, where.stock)
+    verified = where.executor is None  # (an executor the op was registered with is taken as it is)
+    routes = candidates.of(op, args, executor, tier, where.stock, verified)
     try:
         built = routes.routes[routes.default].build(args)  # (what the call's own arguments allow)
-        choice = tuning.choose(routes, tier, executor, verified=where.executor is None)  # 3. tuning
+        choice = tuning.choose(routes, tier, executor, verified)  # 3. tuning
         if choice != routes.default:
             built = _build(routes, choice, args, built)  # 4. build
     except NotCovered as uncovered:

@@ -255,25 +255,12 @@ def _offered(c: Candidates, tier: str, executor, verified: bool) -> tuple[dict[s
             if name in skip:
                 why = f"excluded by {EXCLUDE_ENV_VAR}"
             elif verified:
-                why = _unverified(route.families, tier, executor)
+                why = verify.unverified(route.families, tier, executor)
         if why is None:
             offered[name] = route
         else:
             left_out[name] = why
     return offered, left_out
-
-
-def _unverified(families: tuple, tier: str, executor) -> Optional[str]:
-    """Why a route of these kernel families is no candidate on `tier` (a family did not pass first-use
-    verification there), or None."""
-    if verify.mode() == "0":
-        return None
-    for family in families:
-        if family not in verify.FAMILIES:
-            return f"its kernel family {family} is not verified by this bnb-mps"
-        if not verify.verdict(family, tier, executor).passed:
-            return f"its kernel family {family} did not pass first-use verification"
-    return None
 
 
 # -- the cache -----------------------------------------------------------------------------------------------

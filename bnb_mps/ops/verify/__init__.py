@@ -79,11 +79,13 @@ with an executor that drops the launches of the first run (a command buffer the 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from . import runner
 from .cache import CACHE_ENV_VAR, cache_path
 from .cases import DTYPES, Case, Family, Unaligned
 from .compare import close, exact
-from .families import FAMILIES, families_of
+from .families import FAMILIES, families_behind, families_of
 from .first_use import ENV_VAR, MODES, failure, mode, on_stale_routes, reset, verdict
 from .machine_key import cache_key, machine, math_mode
 from .verdicts import VerificationWarning, Verdict
@@ -95,6 +97,22 @@ def run_family(family: Family, executor, device: str) -> Verdict:
     return runner.run_family(family, executor, device)
 
 
+def unverified(families: tuple, tier: str, executor) -> Optional[str]:
+    """Why kernels of these families must not run on `tier` (one did not pass first-use verification
+    there, verified now if need be; `verdict` is looked up on this package at each call), or None
+    (also with BNB_MPS_VERIFY=0). For the routes whose failure takes no op off the tier: tuning's
+    candidates, a built-in path's fallback (bnb_mps.ops.candidates)."""
+    if mode() == "0":
+        return None
+    for family in families:
+        if family not in FAMILIES:
+            return f"its kernel family {family} is not verified by this bnb-mps"
+        if not verdict(family, tier, executor).passed:
+            return f"its kernel family {family} did not pass first-use verification"
+    return None
+
+
 __all__ = ["CACHE_ENV_VAR", "DTYPES", "ENV_VAR", "FAMILIES", "MODES", "Case", "Family", "Unaligned",
-           "VerificationWarning", "Verdict", "cache_key", "cache_path", "close", "exact", "failure", "families_of",
-           "machine", "math_mode", "mode", "on_stale_routes", "reset", "run_family", "verdict"]
+           "VerificationWarning", "Verdict", "cache_key", "cache_path", "close", "exact", "failure", "families_behind",
+           "families_of", "machine", "math_mode", "mode", "on_stale_routes", "reset", "run_family", "unverified",
+           "verdict"]

@@ -31,6 +31,9 @@ class Family:
     name: str
     ops: tuple[str, ...]  # the ops that leave the kernel tier when the family fails
     cases: Callable[[], Iterator[Case]]
+    #: ops whose calls a built-in path of the family serves while it passes, and another path when it
+    #: fails (bnb_mps.ops.candidates.FALLBACK): they stay on the tier
+    serves: tuple[str, ...] = ()
 
 
 def gen(seed: int) -> torch.Generator:

@@ -31,21 +31,24 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # K % 32 == 0; 2 <= M <= 32 with K % 16 == 0 (split-K from K = 512, small below); M = 1 with
     # K % 32 == 16 (batch, verified on
     # several rows of A, as tuning may route them there); larger M, or K % 16 != 0. A failing path takes
-    # all three ops. K spans more than one step of every lane in the gemv (1024 per step), batch (512)
-    # and small (128; 400 = 3 x 128 + 16, a last step of 2 active lanes) kernels; N leaves a partial group
+    # all three ops (split-K: below). K spans more than one step of every lane in the gemv (1024 per
+    # step), batch (512) and small (128; 400 = 3 x 128 + 16, a last step of 2 active lanes) kernels; N leaves a partial group
     # of 8 / 16 weight rows there, a partial tile of 64 in mma; M = 12 in small: the 8 lanes of a row store
     # rows q and q + 8. Split-K: K = 1040 = 4 x 256 + 16 cuts into slices of 512, 512, 16 and none
     # (S = 4), N = 40 leaves a partial tile of 64 columns, and the last threadgroup of each tile adds
     # the tile's partial sums.
     Family("matmul_4bit_gemv", _MATMUL_OPS, lambda: matmul_cases(1, 20, 1280, seed=900)),
     Family("matmul_4bit_small", _MATMUL_OPS, lambda: matmul_cases(12, 20, 400, seed=940)),
-    Family("matmul_4bit_splitk", _MATMUL_OPS, lambda: matmul_cases(12, 40, 1040, seed=960)),
     Family("matmul_4bit_batch", _MATMUL_OPS, lambda: _routed(matmul_cases(5, 20, 560, seed=910), "batch")),
     Family("matmul_4bit_mma", _MATMUL_OPS, lambda: matmul_cases(37, 40, 200, seed=920)),
     # A kernel variant of a path (its 16-entry table in threadgroup memory): no op leaves the tier when
     # it fails, only the variant is then no candidate for tuning (bnb_mps.ops.tuning).
     Family("matmul_4bit_tglut", (), lambda: _routed(matmul_cases(1, 20, 1280, seed=930), "gemv/tglut")),
     Family("matmul_4bit_small_wide", (), lambda: _routed(matmul_cases(12, 12, 400, seed=950), "small/wide")),
+    # A built-in path with a fallback: when it fails, no op leaves the tier; the small path serves its
+    # calls instead (bnb_mps.ops.candidates.FALLBACK). Its threadgroups meet through device memory
+    # (gemm_4bit_splitk.h), what only the user's GPU can show to hold.
+    Family("matmul_4bit_splitk", (), lambda: matmul_cases(12, 40, 1040, seed=960), serves=_MATMUL_OPS),
     Family("int8_quant", ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant"),
            int8_quant_cases),
     Family("int8_products", ("int8_linear_matmul", "int8_linear_matmul.out", "int8_scaled_mm", "int8_mixed_scaled_mm"),
@@ -64,3 +67,9 @@ for _f in FAMILIES.values():
 def families_of(op: str) -> list[str]:
     """The families whose verification decides whether `op` may run on a kernel tier."""
     return list(_FAMILY_OF_OP.get(op, ()))
+
+
+def families_behind(op: str) -> list[str]:
+    """The families whose kernels serve `op`'s calls with tuning off: `families_of(op)` and those of
+    built-in paths with a fallback (`Family.serves`), in verification order."""
+    return [f.name for f in FAMILIES.values() if op in f.ops or op in f.serves]
