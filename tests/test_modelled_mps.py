@@ -356,8 +356,9 @@ def test_calls_on_another_stream_are_not_tuned_and_nothing_is_cached(monkeypatch
 def test_each_stream_has_its_own_split_k_workspace(version):
     """The split-K kernel's partial sums and counters (bnb_mps.ops.workspace): one set per device for
     the default stream, and, where torch has other streams (2.15), one per stream, since two streams'
-    kernels may run at the same time. Every call gives the emulated tier's bits."""
-    from bnb_mps.ops import workspace
+    kernels may run at the same time. Every call gives the emulated tier's bits, and leaves each tile's
+    counter of its stream with S counts (under the call's tag)."""
+    from bnb_mps.ops import matmul_4bit, workspace
 
     args = gemm_args(5, K=512)
     with use_emulated_kernels():
@@ -372,9 +373,11 @@ def test_each_stream_has_its_own_split_k_workspace(version):
         assert identical(again, want)
         streams = {key[5] for key in workspace._buffers if key[1] == "splitk counters"}
         assert streams == ({0, side._stream.number} if side is not None else {0}), streams
+        S = matmul_4bit.splitk_splits(5, 512, args[0].element_size())
+        tiles = -(-args[2][0] // (16 * S))
         for key, buf in workspace._buffers.items():
             if key[1] == "splitk counters":
-                assert torch.count_nonzero(buf) == 0
+                assert torch.all(buf[:tiles].cpu().long() & 15 == S), buf
 
 
 def test_a_plan_first_called_on_another_stream_takes_no_workspace_of_the_default_one():

@@ -12,6 +12,7 @@ import torch
 
 from ..kernel_args import uint32
 from . import validation as v
+from . import workspace
 from .fourbit import dequantize_4bit_cpu, packed_bytes
 from .launch import DTYPE_NAMES, VECTOR_ALIGN, aligned_arg, check_size, flat_arg, is_aligned, out_arg
 from .plan import Plan, PlanBuilder
@@ -311,7 +312,8 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
         check_size(b.op, "the split-K workspace", partials)
         work = b.workspace("splitk partial sums", partials, torch.float32)
         counters = b.workspace("splitk counters", tiles, torch.int32, zeroed=True)
-        extra = [uint32(S), work, counters]
+        b.n_dynamic = 1  # (the call's tag, `_call_tag`)
+        extra = [uint32(S), work, counters, b.dynamic(0)]
     else:
         name = f"bnb_gemm_4bit_mma_{sc}_{dt}"
         grid, threads = (math.ceil(M / _MMA_BM), math.ceil(N / _MMA_BN), 1), (128, 1, 1)
@@ -353,7 +355,13 @@ def _first_output(args: list, outs: tuple) -> torch.Tensor:
     return outs[0]
 
 
-@planner("gemm_4bit", paths=_matmul_paths)
+def _call_tag(args, base) -> tuple:
+    """The per-call scalar of a split-K plan (the other paths have none): the call's tag in the tile
+    counters (bnb_mps.ops.workspace.next_tag)."""
+    return (uint32(workspace.next_tag()),)
+
+
+@planner("gemm_4bit", paths=_matmul_paths, dynamic=_call_tag)
 def plan_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
                    absmax_offset=None, *, route: Optional[str] = None) -> Plan:  # fmt: skip
     b = PlanBuilder(A.device, "gemm_4bit")
@@ -365,7 +373,7 @@ def plan_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absma
     return b.build(result=out, finish=finish)
 
 
-@planner("gemv_4bit", paths=_matmul_paths)
+@planner("gemv_4bit", paths=_matmul_paths, dynamic=_call_tag)
 def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize, *, route: Optional[str] = None) -> Plan:
     b = PlanBuilder(A.device, "gemv_4bit")
     out = _output(b, A, shapeB)
@@ -373,7 +381,7 @@ def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize, *, route: Optional[str
     return b.build(result=out, finish=_empty_sum(_first_output, None) if shapeB[1] == 0 else None)
 
 
-@planner("gemv_4bit.out", paths=_matmul_paths)
+@planner("gemv_4bit.out", paths=_matmul_paths, dynamic=_call_tag)
 def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out, *, route: Optional[str] = None) -> Plan:
     b = PlanBuilder(A.device, "gemv_4bit.out")
     N, K = shapeB

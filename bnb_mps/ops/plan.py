@@ -141,7 +141,7 @@ class PlanBuilder:
 
     device: Any  # where the outputs are allocated
     op: str = ""  # the op's name, for error messages
-    #: how many scalars the op's `Planned.dynamic` returns per call (a fixed number per op)
+    #: how many scalars the op's `Planned.dynamic` returns per call (a fixed number per plan; 0: not called)
     n_dynamic: int = 0
     #: what the op's `Planned.dynamic` gets next to the call's arguments (e.g. flags the plan fixed)
     dynamic_base: Any = None
@@ -221,6 +221,8 @@ class BoundPlan:
     def __init__(self, plan: Plan, executor, counted: tuple = (), dynamic=None) -> None:
         self.plan = plan
         self.counted = counted  # the op layer's call-count key, (op, tier)
+        if plan.n_dynamic and dynamic is None:
+            raise TypeError(f"a plan with {plan.n_dynamic} per-call scalars needs its op's `Planned.dynamic`")
         self._dynamic = dynamic if plan.n_dynamic else None
         self.calls = tuple(
             (operator.itemgetter(*L.picks) if len(L.picks) > 1 else _single(L.picks[0]),

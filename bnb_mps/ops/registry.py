@@ -74,7 +74,8 @@ def planner(name: str, *, dynamic_positions=(), dynamic=None,
             paths=None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:  # fmt: skip
     """Attach an op's planner, `fn(*args) -> bnb_mps.ops.plan.Plan` with the schema's arguments; the
     op's kernel then plans and runs each call. `dynamic_positions` / `dynamic`: arguments taken per
-    call (left out of plan keys) and the function that checks them and returns their scalars.
+    call (left out of plan keys) and the function that checks them and returns their scalars (also
+    per-call scalars of the op's own, as the split-K plans' tag; a plan that asks none never calls it).
     `paths`: for an op with several kernel paths, `paths(*args)` names the paths (route names) worth
     measuring for a call, the built-in one first; the planner then takes one of them as `route=`."""
 

@@ -6,7 +6,9 @@ a few output tiles and one counter per tile. A plan asks for a workspace of at l
 (`PlanBuilder.workspace`); the plan, once bound, holds a view of the device's buffer of that kind, the
 buffer grown (a new one, at least twice the old size) when a plan needs more than it has. Plans
 bound earlier keep the buffer they hold, so each call is one key lookup and no allocation. Zeroed
-buffers (the counters) are zero when allocated; the kernel leaves them zero after each call.
+buffers (the counters) are zero when allocated. A kernel that meets other threadgroups through a
+counter takes a tag per call (`next_tag`): counts under another tag are another call's, so a call
+that never finished (a GPU fault) cannot leave counts the next call takes for its own.
 
 Calls of one stream of a device run in order (torch's MPS stream, the emulator), so one buffer per
 device, stream and kind serves every plan; a bound plan takes the default stream's buffers when it is
@@ -14,12 +16,12 @@ bound, and, where torch has other MPS streams (torch >= 2.15), those of the stre
 (bnb_mps.ops.plan.BoundPlan), since two streams' kernels may run at the same time. Sizes are
 proportional to outputs (M x N x slices floats), not to weights.
 A new choice of kernel tier (bnb_mps.executors.reset, which also drops the plans bound before it)
-starts new buffers: a faulty kernel that a failed first-use verification took out of service cannot
-leave counters set for the kernels after it.
+starts new buffers.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -47,6 +49,17 @@ def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool, s
             buf = make(size, dtype=dtype, device=key[0])
             _buffers[key] = buf
         return buf[:numel]
+
+
+#: tags are 1 .. TAGS - 1: 28 bits, above a counter's 4 bits of count (csrc/kernels/gemm_4bit_splitk.h)
+TAGS = 1 << 28
+_calls = itertools.count(1)  # (next() is atomic under the GIL)
+
+
+def next_tag() -> int:
+    """The tag of a call that counts in a workspace: 1, 2, ..., TAGS - 1, 1, 2, ... (never 0, which
+    zeroed counters hold; never the previous call's)."""
+    return (next(_calls) - 1) % (TAGS - 1) + 1
 
 
 def release() -> None:

@@ -34,9 +34,10 @@
 //   buffer(16) flags         constant uint&        1: add bias; 2: A is 16-byte aligned at
 //                                                  every row start (vector loads)
 //   splitk only:
-//   buffer(17) splits        constant uint&        S, slices of K (1..8)
+//   buffer(17) splits        constant uint&        S, slices of K (1..15)
 //   buffer(18) work          device float*         workspace, >= ceil(N / (16 S)) * S * M * 16 S floats
-//   buffer(19) counters      device atomic_uint*   ceil(N / (16 S)) counters, 0 between calls
+//   buffer(19) counters      device atomic_uint*   ceil(N / (16 S)) counters (zeroed when allocated)
+//   buffer(20) tag           constant uint&        the call's tag, 1..2^28 - 1, not the previous call's
 //
 // Geometry (threadgroup; grid in threadgroups):
 //   gemv:  (64, 1, 1);  (ceil(N / 8), M, 1)                 K % 32 == 0

@@ -14,14 +14,19 @@
 // Why a workspace, and how the slices meet (docs/small-batch.md has the traffic figures). The S
 // partial sums of an output need a place between threadgroups. Each threadgroup writes its tile's
 // M x 16 S float32 partial sums to its own slot of `work`, then counts itself in `counters[tile]`
-// (one relaxed atomic add after a device-memory barrier); the threadgroup that counts last, whichever
-// it is, adds the S slots of every output in slice order (0, 1, ..., S - 1), adds the bias, rounds
-// once to T and resets the counter to 0 for the next call. The sum of an output is thus the same
-// whatever order the threadgroups run in: deterministic, and no threadgroup waits for another (no
-// spin: nothing assumes forward progress between threadgroups). `work` and `counters` are a
-// per-device workspace of the op layer (bnb_mps/ops/workspace.py), allocated once, not per call,
-// and proportional to the output (M x N x S floats), not to the weight; the counters are zero
-// between calls.
+// (one relaxed atomic compare-and-swap after a device-memory barrier); the threadgroup that counts
+// S-th, whichever it is, adds the S slots of every output in slice order (0, 1, ..., S - 1), adds the
+// bias and rounds once to T. The sum of an output is thus the same whatever order the threadgroups
+// run in: deterministic, and no threadgroup waits for another (no spin: nothing assumes forward
+// progress between threadgroups). `work` and `counters` are a per-device workspace of the op layer
+// (bnb_mps/ops/workspace.py), allocated once, not per call, and proportional to the output
+// (M x N x S floats), not to the weight.
+//
+// A counter holds the call's `tag` (bits 4..31: a number the op layer gives each call, never the same
+// for two calls in a row, never 0) and its count (bits 0..3). The first threadgroup of a call to count
+// finds another tag and starts the count at 1 (nothing is reset after a call): so a call that never
+// finished (a GPU fault in the middle of a command buffer) leaves counts that the next call ignores,
+// instead of having its threadgroups counted as the next call's.
 //
 // Inside a slice everything is the small kernel's (bnb_small_sums: A staged per step of 128 in
 // threadgroup memory, 16 weights per lane dequantized once into registers, two alternating float32
@@ -29,15 +34,17 @@
 // columns of the tile (S groups; A's slice is staged again per group, lines the threadgroup has
 // already read).
 //
-// Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32 and
-// S >= 1 (the op layer takes 2, 4 or 8); the slices are ceil(K / (256 S)) x 256 long (the last ones
-// may be shorter, or empty: their partial sums are 0).
+// Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32,
+// 1 <= S <= 15 (the op layer takes 2, 4 or 8) and 1 <= tag < 2^28; the slices are
+// ceil(K / (256 S)) x 256 long (the last ones may be shorter, or empty: their partial sums are 0).
 #pragma once
 
 #include "gemm_4bit_small.h"
 
 #define BNB_SPLITK_SIMDS 4u     // simdgroups per threadgroup: 16 columns per group
 #define BNB_SPLITK_ALIGN 256u   // slices start at multiples of 256 in K: a 128-byte line of a weight row
+#define BNB_SPLITK_COUNT_BITS 4u  // a tile counter: the call's tag above its count of threadgroups (S <= 15)
+#define BNB_SPLITK_COUNT_MASK 15u
 
 // The hand-over between threadgroups, from Metal 3.2 on: the workspace is coherent(device) (what one
 // threadgroup writes, another can read in the same dispatch) and atomic_thread_fence orders a
@@ -80,6 +87,7 @@ template <typename T, bool NESTED>
     constant uint& splits [[buffer(17)]],
     BNB_DEVICE_COHERENT device float* work [[buffer(18)]],
     device atomic_uint* counters [[buffer(19)]],
+    constant uint& tag [[buffer(20)]],
     uint2 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
@@ -122,13 +130,19 @@ template <typename T, bool NESTED>
     }
 
     // Count this threadgroup in, after all of its partial sums are written (the barrier: every thread's
-    // writes before thread 0's count; the fences: release before it, acquire after it).
+    // writes before thread 0's count; the fences: release before it, acquire after it). A count of
+    // another tag is another call's: this call's count starts at 1.
     threadgroup_barrier(mem_flags::mem_device);
     if (tid == 0u) {
         bnb_splitk_device_fence();
-        const uint counted = atomic_fetch_add_explicit(&counters[tile], 1u, memory_order_relaxed);
+        uint seen = atomic_load_explicit(&counters[tile], memory_order_relaxed);
+        uint counted;
+        do {
+            counted = (seen >> BNB_SPLITK_COUNT_BITS) == tag ? seen + 1u : (tag << BNB_SPLITK_COUNT_BITS) | 1u;
+        } while (!atomic_compare_exchange_weak_explicit(&counters[tile], &seen, counted, memory_order_relaxed,
+                                                       memory_order_relaxed));
         bnb_splitk_device_fence();
-        last[0] = counted == S - 1u ? 1u : 0u;
+        last[0] = (counted & BNB_SPLITK_COUNT_MASK) == S ? 1u : 0u;
     }
     // (and what thread 0 may now see, every thread of the threadgroup)
     threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
@@ -148,8 +162,5 @@ template <typename T, bool NESTED>
             }
             bnb_mm_store(out, bias, flags, i, n, N, v);
         }
-    }
-    if (tid == 0u) {
-        atomic_store_explicit(&counters[tile], 0u, memory_order_relaxed);  // (all S have counted)
     }
 }
