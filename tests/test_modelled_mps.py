@@ -463,16 +463,24 @@ def test_the_verify_command_on_the_shader_tier(monkeypatch, tmp_path, capsys):
 
 
 def test_the_tune_command_on_the_shader_tier_measures_on_the_gpu_clock(monkeypatch, _own_tuning, capsys):
+    """`python -m bnb_mps tune --m 1,2,4,8,16,32` as on a Mac (issue 34): every row measured on the GPU
+    clock, the split-K path a measured candidate of every row, and the built-in route of M = 2..32."""
     from bnb_mps.__main__ import main
 
+    ms = (1, 2, 4, 8, 16, 32)
     with use_modelled_mps("2.13") as mps:
-        status = main(["tune", "--tier", "shader", "--shapes", "64x256", "--m", "1,5,40"])
+        status = main(["tune", "--tier", "shader", "--shapes", "64x512", "--m", ",".join(map(str, ms))])
         rows = bnb_mps.tuning_table()
     out = capsys.readouterr().out
     assert status == 0, out
     assert "timings mean nothing" not in out  # (the GPU clock, not the host's)
     gemm = [r for r in rows if r["op"] == "gemm_4bit"]
-    assert len(gemm) == 3 and {r["tier"] for r in gemm} == {"shader"} and {r["clock"] for r in gemm} == {"gpu"}, rows
+    assert len(gemm) == len(ms) and {r["tier"] for r in gemm} == {"shader"} and {r["clock"] for r in gemm} == {"gpu"}, rows
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["M", "gemv"])
+    assert "splitk" in header.split(), header
+    for r in gemm:
+        assert r["times"].get("splitk", 0) > 0 and not r["errors"], r
+        assert r["default"] == ("gemv" if "M<=1 " in r["key"] else "splitk"), r
     assert mps.runtime.counts["elapsed_time"] > 0 and mps.runtime.counts["event_synchronize"] == 0
     cached = json.loads(_own_tuning.read_text())
     assert any(k.startswith("shader |") for k in cached), list(cached)
