@@ -74,6 +74,7 @@ def test_split_k_gives_the_same_bits_every_time(executor, dtype):
     under the last call's tag (what the emulator shows with threadgroups in several orders)."""
     from bnb_mps.ops import workspace
 
+    workspace.release()  # (only this test's buffers below: other tests leave theirs, on other devices too)
     for M, N, K in ((5, 4096, 4096), (32, 11008, 4096), (13, 1000, 1040)):
         case = Case(M, N, K, dtype=dtype, nested=True, bias=True, seed=M + K)
         assert matmul_4bit.choose_path(M, N, K) == "splitk"
@@ -85,7 +86,8 @@ def test_split_k_gives_the_same_bits_every_time(executor, dtype):
             assert torch.equal(y.cpu().view(torch.uint8), ys[i % 2].cpu().view(torch.uint8)), (M, N, K, i)
         for sign, y in ((1, ys[0]), (-1, ys[1])):
             R.check_accuracy(y.cpu().reshape(-1, N), sign * A.cpu().reshape(-1, K), W, bias, linear_device="mps")
-        (counters,) = [buf for key, buf in workspace._buffers.items() if key[1] == "splitk counters"]
+        (counters,) = [buf for key, buf in workspace._buffers.items()
+                       if key[1] == "splitk counters" and key[0].type == "mps"]
         S = matmul_4bit.splitk_splits(M, K, dtype.itemsize)
         c = counters[: -(-N // (16 * S))].cpu().long() & 0xFFFFFFFF
         assert torch.all(c & 15 == S) and len(set((c >> 4).tolist())) == 1, (M, N, K, c)

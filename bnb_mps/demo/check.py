@@ -426,7 +426,9 @@ def report_lines(check: dict, eval_shape: tuple, new_tokens: int, compared: int,
 def gpu_verdicts(tier: str, executor, op_names) -> dict:
     """The first-use verification verdicts (bnb_mps.ops.verify) of the kernel families behind the ops
     in `op_names` on `tier`: this process's, made when those ops were first used (run then, or read
-    from the cache); and the tuning choices, where this bnb-mps has them (`bnb_mps.tuning_table()`)."""
+    from the cache; the family of a path with a fallback that no call took, split-K where no call had
+    2 to 32 rows, is verified here); and the tuning choices, where this bnb-mps has them
+    (`bnb_mps.tuning_table()`)."""
     import bnb_mps
 
     from ..ops import verify

@@ -34,8 +34,8 @@ _buffers: dict[tuple, torch.Tensor] = {}  # (device, kind, dtype, zeroed, tier g
 
 def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool, stream: int = 0) -> torch.Tensor:
     """A one-dimensional view of `numel` elements of the device's workspace `kind` for calls on the
-    torch.mps stream `stream` (its id; 0: the default stream), zeros where `zeroed` (the buffer's users
-    leave it as they found it)."""
+    torch.mps stream `stream` (its id; 0: the default stream), zeros when allocated where `zeroed` (the
+    counters: then the tags of the calls that counted in them, see the module docstring)."""
     if numel < 0:
         raise ValueError(f"workspace {kind!r}: numel must be >= 0, got {numel}")
     key = (torch.device(device), kind, dtype, zeroed, executors.generation, stream)
@@ -57,8 +57,10 @@ _calls = itertools.count(1)  # (next() is atomic under the GIL)
 
 
 def next_tag() -> int:
-    """The tag of a call that counts in a workspace: 1, 2, ..., TAGS - 1, 1, 2, ... (never 0, which
-    zeroed counters hold; never the previous call's)."""
+    """The tag of a call that counts in a workspace: 1, 2, ..., TAGS - 1, 1, 2, ... Never 0, which
+    zeroed counters hold, and unlike the tag of any counter it counts in: that is the tag of the last
+    call that counted there, which may be many calls back (calls with fewer tiles leave the higher
+    counters alone), but not TAGS - 1 calls back or a multiple of that."""
     return (next(_calls) - 1) % (TAGS - 1) + 1
 
 

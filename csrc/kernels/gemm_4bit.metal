@@ -37,7 +37,8 @@
 //   buffer(17) splits        constant uint&        S, slices of K (1..15)
 //   buffer(18) work          device float*         workspace, >= ceil(N / (16 S)) * S * M * 16 S floats
 //   buffer(19) counters      device atomic_uint*   ceil(N / (16 S)) counters (zeroed when allocated)
-//   buffer(20) tag           constant uint&        the call's tag, 1..2^28 - 1, not the previous call's
+//   buffer(20) tag           constant uint&        the call's tag, 1..2^28 - 1, unlike the tag any
+//                                                  counter holds (the op layer counts calls)
 //
 // Geometry (threadgroup; grid in threadgroups):
 //   gemv:  (64, 1, 1);  (ceil(N / 8), M, 1)                 K % 32 == 0

@@ -22,8 +22,9 @@
 // (bnb_mps/ops/workspace.py), allocated once, not per call, and proportional to the output
 // (M x N x S floats), not to the weight.
 //
-// A counter holds the call's `tag` (bits 4..31: a number the op layer gives each call, never the same
-// for two calls in a row, never 0) and its count (bits 0..3). The first threadgroup of a call to count
+// A counter holds the call's `tag` (bits 4..31: a number the op layer gives each call, unlike the tag
+// any counter holds: never 0, and a count of calls that wraps only after 2^28 - 1 of them) and its
+// count (bits 0..3). The first threadgroup of a call to count
 // finds another tag and starts the count at 1 (nothing is reset after a call): so a call that never
 // finished (a GPU fault in the middle of a command buffer) leaves counts that the next call ignores,
 // instead of having its threadgroups counted as the next call's.
