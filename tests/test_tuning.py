@@ -360,6 +360,23 @@ def test_always_measures_each_key_again_once_per_process_and_rewrites_it(monkeyp
 # -- verification decides the candidates ---------------------------------------------------------------------
 
 
+def stand_in_for_shader(mp, tmp_path, stand_in):
+    """`stand_in` (an executor running the emulated tier's kernels) as the shader tier, the only GPU tier,
+    with its verification verdicts in a cache of the test's own and none in memory."""
+    stand_in.name = "shader"
+
+    def load(name):
+        if name == "shader":
+            return stand_in
+        raise executors.ExecutorUnavailable(f"{name} stands in as unavailable")
+
+    mp.setattr(executors, "load_tier", load)
+    mp.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))  # (its failures stay here)
+    verify.reset()
+    executors.reset()
+    return stand_in
+
+
 def test_routes_of_an_unverified_family_are_never_candidates(fresh_tier_selection, tmp_path):
     """A GPU tier (the emulated executor standing in as "shader", mps calls through the MPS key) whose
     threadgroup-table gemv kernels and NF4 dequantize kernel fault: their families fail first-use
@@ -372,18 +389,7 @@ def test_routes_of_an_unverified_family_are_never_candidates(fresh_tier_selectio
 
     args = gemm_args(1, nested=False)
     want = gemm_by_hand("batch", args)
-    stand_in = Faulty(executors.load_tier("emulated"))
-    stand_in.name = "shader"
-
-    def load(name):
-        if name == "shader":
-            return stand_in
-        raise executors.ExecutorUnavailable(f"{name} stands in as unavailable")
-
-    fresh_tier_selection.setattr(executors, "load_tier", load)
-    fresh_tier_selection.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))  # (its failures stay here)
-    verify.reset()
-    executors.reset()
+    stand_in_for_shader(fresh_tier_selection, tmp_path, Faulty(executors.load_tier("emulated")))
     try:
         with fixed_timings({"gemv/tglut": 1e-5, "dequantize+linear": 2e-5, "batch": 1e-4, "gemv": 1e-3}):
             got = ops.op_packet("gemm_4bit").redispatch(MPS, *copy.deepcopy(args))
@@ -414,18 +420,7 @@ def test_a_split_k_kernel_that_fails_verification_gives_way_to_the_small_kernel(
     calls = {M: gemm_args(M, N=40, K=1024, dtype=torch.float16, bias=True, seed=M) for M in (3, 8)}
     assert all(ops.matmul_4bit.choose_path(M, 40, 1024) == "splitk" for M in calls)
     wants = {M: gemm_by_hand("small", args) for M, args in calls.items()}
-    stand_in = Dropping(executors.load_tier("emulated"))
-    stand_in.name = "shader"
-
-    def load(name):
-        if name == "shader":
-            return stand_in
-        raise executors.ExecutorUnavailable(f"{name} stands in as unavailable")
-
-    fresh_tier_selection.setattr(executors, "load_tier", load)
-    fresh_tier_selection.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))  # (its failure stays here)
-    verify.reset()
-    executors.reset()
+    stand_in = stand_in_for_shader(fresh_tier_selection, tmp_path, Dropping(executors.load_tier("emulated")))
     try:
         assert not verify.verdict("matmul_4bit_splitk", "shader", stand_in).passed
         stand_in.clear()
