@@ -336,7 +336,8 @@ def test_an_error_anywhere_in_first_use_serves_the_built_in_route(monkeypatch, _
 
 def test_calls_on_another_stream_are_not_tuned_and_nothing_is_cached(monkeypatch, _own_tuning):
     """torch 2.15's public streams: Event.record() raises off the default stream; tuning skips those
-    calls (the built-in route serves) and caches nothing, then tunes on the default stream."""
+    calls (the built-in route serves) without trying to time them, and caches nothing, then tunes on the
+    default stream."""
     monkeypatch.setenv(tuning.ENV_VAR, "1")
     args = gemm_args(5)
     with use_modelled_mps("2.15") as mps:
@@ -345,6 +346,7 @@ def test_calls_on_another_stream_are_not_tuned_and_nothing_is_cached(monkeypatch
                 torch.mps.Event(enable_timing=True).record()
             bnb.gemm_4bit.default(*clone(args))
         assert mps.runtime.counts["elapsed_time"] == 0 and bnb_mps.tuning_table() == []
+        assert mps.runtime.counts["record_refused"] == 1  # (the test's own)
         assert not (_own_tuning.exists() and json.loads(_own_tuning.read_text()))
         tuning.reset()
         bnb.gemm_4bit.default(*clone(args))

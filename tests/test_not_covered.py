@@ -189,7 +189,7 @@ def test_optimizer_step_zero_and_infinite_lr_take_bitsandbytes_update(emulated_m
 
 
 @pytest.mark.parametrize("uncovered,index,value", [("step 0", 14, 0), ("an infinite lr", 15, float("inf")),
-                                                   ("an lr beyond float32", 15, 1e39)])  # fmt: skip
+                                                   ("an lr beyond float32", 15, 1e39), ("a NaN lr", 15, float("nan"))])  # fmt: skip
 def test_an_uncovered_optimizer_call_leaves_later_covered_calls_of_its_signature_on_the_kernels(
         emulated_mps, uncovered, index, value):  # fmt: skip
     """Fault R2: an uncovered optimizer call (step 0, an infinite lr: per-call values, left out of the

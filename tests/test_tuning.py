@@ -27,6 +27,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 import bnb_mps
 from bnb_mps import executors, ops
+from bnb_mps.executors import clocks
 from bnb_mps.ops import candidates, tuning, verify
 from bnb_mps.testing import RecordingExecutor, fixed_timings, use_emulated_kernels
 
@@ -324,6 +325,11 @@ def test_tuning_is_off_on_the_emulated_tier_unless_asked_for(monkeypatch):
     with use_emulated_kernels() as kernels:
         bnb.gemm_4bit.default(*args)
     assert kernels.launched == ["bnb_gemm_4bit_mma_nested_f32"] and bnb_mps.tuning_table() == []
+    # A GPU tier's calls are on its GPU only with tensors of its own device (else: tuning off, the host's clock).
+    gpu = type("GPU", (), {"device_type": "mps"})()
+    assert tuning.on_gpu("shader", gpu, torch.device("mps")) and tuning.on_gpu("native", gpu, torch.device("mps"))
+    assert not tuning.on_gpu("shader", gpu, torch.device("cpu")) and not tuning.on_gpu("emulated", gpu, torch.device("mps"))
+    assert isinstance(tuning.clock_for("shader", gpu, torch.device("cpu")), clocks.HostClock)
 
 
 def test_always_measures_each_key_again_once_per_process_and_rewrites_it(monkeypatch):
@@ -339,13 +345,15 @@ def test_always_measures_each_key_again_once_per_process_and_rewrites_it(monkeyp
         bnb.gemm_4bit.default(*copy.deepcopy(args))  # the cached choice, not measured
     assert measured == [] and row_of("gemm_4bit")["choice"] == "dequantize+linear"
     assert kernels.launched == ["bnb_dequantize_blockwise_f32", "bnb_dequantize_4bit_nf4_f32"]
+    # Always, from here on in this process, which read the key's choice from the cache: a new signature of
+    # the key (M rounds up to 4) measures it, and the calls after take that measurement.
     monkeypatch.setenv(tuning.ENV_VAR, "always")
-    tuning.reset()
     four = gemm_args(4, N=24, K=128)
     with use_emulated_kernels():
+        bnb.gemm_4bit.default(*copy.deepcopy(four))
         for _ in range(2):
             bnb.gemm_4bit.default(*copy.deepcopy(args))
-        bnb.gemm_4bit.default(*four)  # (the same key: M rounds up to 4)
+        bnb.gemm_4bit.default(*four)
     # (measuring bitsandbytes' gemm_4bit calls dequantize_blockwise, whose new key is measured too)
     assert measured.count("gemm_4bit") == 1, measured
     row = row_of("gemm_4bit")

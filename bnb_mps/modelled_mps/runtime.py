@@ -150,7 +150,8 @@ class Runtime:
         self.completed: list[CommandBuffer] = []
         self._unreported_errors: list[str] = []
         self.events: dict[int, Event] = {}
-        self.counts = {"synchronize": 0, "event_synchronize": 0, "elapsed_time": 0, "record": 0, "kernels": 0}
+        self.counts = {"synchronize": 0, "event_synchronize": 0, "elapsed_time": 0, "record": 0, "kernels": 0,
+                       "record_refused": 0}
 
     # -- the GPU --------------------------------------------------------------------------------------
 
@@ -211,6 +212,7 @@ class Runtime:
         with self.lock:
             event = self._event(event_id)
             if self.behaviour.public_streams and self.current_stream is not self.default_stream:
+                self.counts["record_refused"] += 1
                 raise NotImplementedError("MPS Event.record() is only supported on the default stream")
             self.counts["record"] += 1
             event.signal_counter += 1

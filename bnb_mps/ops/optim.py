@@ -48,7 +48,7 @@ def _covered_numbers(step: int, numbers: dict) -> None:
     if step < 1:
         raise v.NotCovered(f"step {step} (the kernels count steps from 1)")
     for name, value in numbers.items():
-        if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+        if not abs(value) <= _FLOAT32_MAX:  # (infinite, beyond float32, or NaN, which compares false)
             raise v.NotCovered(f"{name} {value!r} (the kernels take values finite as a float32)")
 
 
