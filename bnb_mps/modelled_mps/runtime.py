@@ -151,7 +151,7 @@ class Runtime:
         self._unreported_errors: list[str] = []
         self.events: dict[int, Event] = {}
         self.counts = {"synchronize": 0, "event_synchronize": 0, "elapsed_time": 0, "record": 0, "kernels": 0,
-                       "record_refused": 0}
+                       "events": 0}
 
     # -- the GPU --------------------------------------------------------------------------------------
 
@@ -194,6 +194,7 @@ class Runtime:
 
     def acquire_event(self, enable_timing: bool) -> int:
         with self.lock:
+            self.counts["events"] += 1
             event_id = next(self._event_ids)
             self.events[event_id] = Event(self, event_id, bool(enable_timing), self.default_stream)
             return event_id
@@ -212,7 +213,6 @@ class Runtime:
         with self.lock:
             event = self._event(event_id)
             if self.behaviour.public_streams and self.current_stream is not self.default_stream:
-                self.counts["record_refused"] += 1
                 raise NotImplementedError("MPS Event.record() is only supported on the default stream")
             self.counts["record"] += 1
             event.signal_counter += 1
