@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import bitsandbytes.functional as F
@@ -434,9 +435,16 @@ def test_a_split_k_kernel_that_fails_verification_gives_way_to_the_small_kernel(
         stand_in.clear()
         for M, how in ((3, "0"), (8, "1")):  # tuning off, then on
             fresh_tier_selection.setenv(tuning.ENV_VAR, how)
-            with fixed_timings(times_favouring("splitk")):
+            with fixed_timings(times_favouring("splitk")), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 got = ops.op_packet("gemm_4bit").redispatch(MPS, *copy.deepcopy(calls[M]))
             assert same_bits(got, wants[M]), M
+            said = [str(w.message) for w in caught if issubclass(w.category, verify.VerificationWarning)]
+            if M == 3:  # (the user is told once, and asked for the acceptance run's report)
+                assert len(said) == 1 and "matmul_4bit_splitk kernels failed verification" in said[0], said
+                assert "other kernel paths serve their calls" in said[0] and "mac_acceptance.sh" in said[0]
+            else:
+                assert said == [], said
         assert ops.route("gemm_4bit").tier == "shader"  # (the family takes no op off the tier)
         assert not [k for k in stand_in.launched if "_splitk_" in k] and any("_small_" in k for k in stand_in.launched)
         row = row_of("gemm_4bit", key=candidates._matmul_key("gemm_4bit", calls[8]))

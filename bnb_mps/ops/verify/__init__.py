@@ -86,7 +86,7 @@ from .cache import CACHE_ENV_VAR, cache_path
 from .cases import DTYPES, Case, Family, Unaligned
 from .compare import close, exact
 from .families import FAMILIES, families_behind, families_of
-from .first_use import ENV_VAR, MODES, failure, mode, on_stale_routes, reset, verdict
+from .first_use import ENV_VAR, MODES, failed_reason, failure, mode, on_stale_routes, reset, verdict, warn_once
 from .machine_key import cache_key, machine, math_mode
 from .verdicts import VerificationWarning, Verdict
 
@@ -107,7 +107,10 @@ def unverified(families: tuple, tier: str, executor) -> Optional[str]:
     for family in families:
         if family not in FAMILIES:
             return f"its kernel family {family} is not verified by this bnb-mps"
-        if not verdict(family, tier, executor).passed:
+        v = verdict(family, tier, executor)
+        if not v.passed:
+            warn_once(failed_reason(family, tier, v), "bnb-mps does not run those kernels; the other kernel paths "
+                      "serve their calls")  # fmt: skip
             return f"its kernel family {family} did not pass first-use verification"
     return None
 

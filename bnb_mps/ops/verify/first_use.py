@@ -127,25 +127,31 @@ def failure(op: str, tier: str, executor) -> Optional[str]:
             continue
         v = verdict(family, tier, executor)
         if not v.passed:
-            try:
-                m = machine()
-                where = f"{m['gpu']}, {m['os']}, torch {m['torch']}"
-            except Exception:  # pragma: no cover
-                where = "this machine"
-            did = "could not be verified" if v.could_not_run else "failed verification"
-            reason = f"the {tier} tier's {family} kernels {did} on this machine ({where}): {v.describe()}"
-            _warn_once(reason)
+            reason = failed_reason(family, tier, v)
+            warn_once(reason, "Its ops are served by the next route instead")
             return reason
     return None
 
 
-def _warn_once(reason: str) -> None:
+def failed_reason(family: str, tier: str, v: Verdict) -> str:
+    """What a family's failed verdict `v` on `tier` says, with the machine it failed on."""
+    try:
+        m = machine()
+        where = f"{m['gpu']}, {m['os']}, torch {m['torch']}"
+    except Exception:  # pragma: no cover
+        where = "this machine"
+    did = "could not be verified" if v.could_not_run else "failed verification"
+    return f"the {tier} tier's {family} kernels {did} on this machine ({where}): {v.describe()}"
+
+
+def warn_once(reason: str, instead: str) -> None:
+    """One VerificationWarning per process: the first failure's `reason` and what serves `instead`."""
     global _warned
     if _warned:
         return
     _warned = True
     warnings.warn(
-        f"bnb_mps: {reason}. Its ops are served by the next route instead (see `python -m bnb_mps`). Please run "
+        f"bnb_mps: {reason}. {instead} (see `python -m bnb_mps`). Please run "
         "`bash scripts/mac_acceptance.sh` from a bnb-mps checkout and attach its report to an issue.",
         VerificationWarning,
         stacklevel=4,
