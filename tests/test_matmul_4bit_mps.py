@@ -90,7 +90,7 @@ def test_split_k_gives_the_same_bits_every_time(executor, dtype):
                        if key[1] == "splitk counters" and key[0].type == "mps"]
         S = matmul_4bit.splitk_splits(M, K, dtype.itemsize)
         c = counters[: -(-N // (16 * S))].cpu().long() & 0xFFFFFFFF
-        assert torch.all(c & 15 == S) and len(set((c >> 4).tolist())) == 1, (M, N, K, c)
+        assert torch.all(c & 31 == S) and len(set((c >> 5).tolist())) == 1, (M, N, K, c)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

@@ -33,7 +33,7 @@ def _counters() -> torch.Tensor:
     return t
 
 
-COUNT_BITS = 4  # a counter: the call's tag above the count of its threadgroups (gemm_4bit_splitk.h)
+COUNT_BITS = 5  # a counter: the call's tag above the count of its threadgroups (gemm_4bit_splitk.h)
 
 
 def _counted(counters: torch.Tensor, tiles: int, S: int) -> int:
@@ -51,16 +51,21 @@ def _run(ex, case: Case, route=None):
     return y, R.check_accuracy(y.reshape(-1, case.N), A.reshape(-1, case.K), W, bias)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_same_bits_whichever_threadgroup_adds_the_tile(library, dtype):
+# (2064: a short last slice; 11008 float32 at 16 rows: S = 16, a tile of 256 columns past N = 64)
+SAME_BITS = [(Case(9, 100, 2064, dtype=torch.float16, nested=True, bias=True, seed=21), 4),
+             (Case(9, 100, 2064, dtype=torch.float32, nested=True, bias=True, seed=21), 8),
+             (Case(16, 64, 11008, dtype=torch.float32, nested=True, bias=True, seed=22), 16)]
+
+
+@pytest.mark.parametrize("case,S", SAME_BITS, ids=lambda x: f"{x.M}x{x.N}x{x.K}-{x.dtype}" if isinstance(x, Case) else f"S{x}")  # fmt: skip
+def test_same_bits_whichever_threadgroup_adds_the_tile(library, case, S):
     """Threadgroups run forward, backward and in three seeded orders (the emulator's threadgroup
     orders); a tile's sum is added by whichever of its S threadgroups counts last, yet every order gives
     the same bits, within the reference's bound, and leaves each tile's counter with its S counts under
     the call's tag, a new one each call."""
-    case = Case(9, 100, 2064, dtype=dtype, nested=True, bias=True, seed=21)  # 2064: a short last slice
+    dtype = case.dtype
     assert matmul_4bit.choose_path(case.M, case.N, case.K) == "splitk"
-    S = matmul_4bit.splitk_splits(case.M, case.K, dtype.itemsize)
-    assert S >= 4
+    assert matmul_4bit.splitk_splits(case.M, case.K, dtype.itemsize) == S
     tiles = -(-case.N // (16 * S))
     results, tags = [], []
     for order, seed in (("forward", 0), ("reverse", 0), ("random", 1), ("random", 2), ("random", 3)):

@@ -185,15 +185,15 @@ def choose_path(M: int, N: int, K: int) -> str:
 
 
 def splitk_splits(M: int, K: int, itemsize: int) -> int:
-    """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`: of 2, 4
-    and 8 (slices of 256 or more), the one the cost model charges least (docs/small-batch.md). Per
+    """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`: of 2, 4, 8
+    and 16 (slices of 256 or more), the one the cost model charges least (docs/small-batch.md). Per
     output column, a tile of 16 S columns over ceil(N / (16 S)) x S threadgroups reads its slice of A's
     M rows (ceil(K / (256 S)) x 256 x itemsize bytes per row) once per 16 columns, moves 2 S - 1 partial
     sums of 4 bytes per row of A (S written, S - 1 read by the threadgroup that adds them), and reads
     the 128-byte lines of a weight row's K / 64 scale bytes once per slice that touches them (S times
     while they fit in a line, about once plus one line per slice beyond). 1 where K < 512 (no split)."""
     best, best_cost = 1, None
-    for S in (2, 4, 8):
+    for S in (2, 4, 8, 16):
         if K < S * _SPLITK_ALIGN:
             break
         span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN

@@ -51,8 +51,8 @@ def workspace(device, kind: str, numel: int, dtype: torch.dtype, zeroed: bool, s
         return buf[:numel]
 
 
-#: tags are 1 .. TAGS - 1: 28 bits, above a counter's 4 bits of count (csrc/kernels/gemm_4bit_splitk.h)
-TAGS = 1 << 28
+#: tags are 1 .. TAGS - 1: 27 bits, above a counter's 5 bits of count (csrc/kernels/gemm_4bit_splitk.h)
+TAGS = 1 << 27
 _calls = itertools.count(1)  # (next() is atomic under the GIL)
 
 

@@ -34,10 +34,10 @@
 //   buffer(16) flags         constant uint&        1: add bias; 2: A is 16-byte aligned at
 //                                                  every row start (vector loads)
 //   splitk only:
-//   buffer(17) splits        constant uint&        S, slices of K (1..15)
+//   buffer(17) splits        constant uint&        S, slices of K (1..31)
 //   buffer(18) work          device float*         workspace, >= ceil(N / (16 S)) * S * M * 16 S floats
 //   buffer(19) counters      device atomic_uint*   ceil(N / (16 S)) counters (zeroed when allocated)
-//   buffer(20) tag           constant uint&        the call's tag, 1..2^28 - 1, unlike the tag any
+//   buffer(20) tag           constant uint&        the call's tag, 1..2^27 - 1, unlike the tag any
 //                                                  counter holds (the op layer counts calls)
 //
 // Geometry (threadgroup; grid in threadgroups):

@@ -22,9 +22,9 @@
 // (bnb_mps/ops/workspace.py), allocated once, not per call, and proportional to the output
 // (M x N x S floats), not to the weight.
 //
-// A counter holds the call's `tag` (bits 4..31: a number the op layer gives each call, unlike the tag
-// any counter holds: never 0, and a count of calls that wraps only after 2^28 - 1 of them) and its
-// count (bits 0..3). The first threadgroup of a call to count
+// A counter holds the call's `tag` (bits 5..31: a number the op layer gives each call, unlike the tag
+// any counter holds: never 0, and a count of calls that wraps only after 2^27 - 1 of them) and its
+// count (bits 0..4). The first threadgroup of a call to count
 // finds another tag and starts the count at 1 (nothing is reset after a call): so a call that never
 // finished (a GPU fault in the middle of a command buffer) leaves counts that the next call ignores,
 // instead of having its threadgroups counted as the next call's.
@@ -36,7 +36,7 @@
 // already read).
 //
 // Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32,
-// 1 <= S <= 15 (the op layer takes 2, 4 or 8) and 1 <= tag < 2^28; the slices are
+// 1 <= S <= 31 (the op layer takes 2, 4, 8 or 16) and 1 <= tag < 2^27; the slices are
 // ceil(K / (256 S)) x 256 long (the last ones may be shorter, or empty: their partial sums are 0).
 #pragma once
 
@@ -44,8 +44,8 @@
 
 #define BNB_SPLITK_SIMDS 4u     // simdgroups per threadgroup: 16 columns per group
 #define BNB_SPLITK_ALIGN 256u   // slices start at multiples of 256 in K: a 128-byte line of a weight row
-#define BNB_SPLITK_COUNT_BITS 4u  // a tile counter: the call's tag above its count of threadgroups (S <= 15)
-#define BNB_SPLITK_COUNT_MASK 15u
+#define BNB_SPLITK_COUNT_BITS 5u  // a tile counter: the call's tag above its count of threadgroups (S <= 31)
+#define BNB_SPLITK_COUNT_MASK 31u
 
 // The hand-over between threadgroups, from Metal 3.2 on: the workspace is coherent(device) (what one
 // threadgroup writes, another can read in the same dispatch) and atomic_thread_fence orders a
