@@ -187,18 +187,22 @@ def choose_path(M: int, N: int, K: int) -> str:
 def splitk_splits(M: int, K: int, itemsize: int) -> int:
     """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`: of 2, 4, 8
     and 16 (slices of 256 or more), the one the cost model charges least (docs/small-batch.md). Per
-    output column, a tile of 16 S columns over ceil(N / (16 S)) x S threadgroups reads its slice of A's
-    M rows (ceil(K / (256 S)) x 256 x itemsize bytes per row) once per 16 columns, moves 2 S - 1 partial
-    sums of 4 bytes per row of A (S written, S - 1 read by the threadgroup that adds them), and reads
-    the 128-byte lines of a weight row's K / 64 scale bytes once per slice that touches them (S times
-    while they fit in a line, about once plus one line per slice beyond). 1 where K < 512 (no split)."""
+    output column:
+    - A: a tile of 16 S columns reads A's M rows once over its S slices, M x K x itemsize bytes;
+    - partial sums: 2 S - 1 of 4 bytes per row of A (S written, S - 1 read back by the threadgroup
+      that adds them);
+    - scales: the 128-byte lines of a weight row's K / 64 scale bytes, read by every slice that is
+      not empty (all of them while a row's scales fit in a line; about once plus one line per slice
+      beyond). Slices are ceil(K / (256 S)) x 256 long, so the last ones may be empty: K = 3072 and
+      S = 8 make 6 slices of 512 and 2 empty ones.
+    1 where K < 512 (no split)."""
     best, best_cost = 1, None
     for S in (2, 4, 8, 16):
         if K < S * _SPLITK_ALIGN:
             break
-        span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
-        scales = min(S * K / 64, K / 64 + 128 * S)
-        cost = M * (span * itemsize / _SMALL_ROWS_PER_TG + 4 * (2 * S - 1)) + scales
+        used = -(-K // (-(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN))  # slices that are not empty
+        scales = min(used * K / 64, K / 64 + 128 * used)
+        cost = M * (K * itemsize / (_SMALL_ROWS_PER_TG * S) + 4 * (2 * S - 1)) + scales
         if best_cost is None or cost < best_cost:
             best, best_cost = S, cost
     return best
