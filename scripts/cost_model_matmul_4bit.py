@@ -92,7 +92,10 @@ def lower_bound(N: int, K: int, M: int, dtype: torch.dtype, threadgroups: int,
     otherwise than dequantize + linear, docs/semantics.md section 4). Its lines cover those bytes, so by
     the inequality of arithmetic and geometric means it is charged at least
     3 (itemsize x 1/2 x p)^(1/3) v^(2/3), v = M N K / threadgroups, p = itemsize; the 8-bit block
-    scales (N K / 64 bytes) are read at least once. And whatever the shares, every weight byte, scale,
+    scales (N K / 64 bytes) are read at least once. Or, counting the scales another way: a threadgroup
+    reads at least a share of a scale line for each weight row it forms products with
+    (`scale_line_share`: K / 64 bytes where a line holds whole rows' scales), so each of its outputs
+    costs it scale_line_share / M bytes more, p + scale_line_share / M in all. And whatever the shares, every weight byte, scale,
     element of A and output is moved at least once. The bound is the larger of the two; everything
     else (scale tables, re-reads of a line by another threadgroup, partial sums read back) only adds to
     it. `partial_bytes` = p = 4: the bound of kernels whose threadgroups write float32 partial sums (a
@@ -104,9 +107,27 @@ def lower_bound(N: int, K: int, M: int, dtype: torch.dtype, threadgroups: int,
     s = dtype.itemsize
     p = s if partial_bytes is None else partial_bytes
     v = M * N * K / threadgroups
-    shares = threadgroups * 3 * (s * 0.5 * p) ** (1 / 3) * v ** (2 / 3) + N * K / 64
-    once = N * K / 2 + N * K / 64 + M * K * s + M * N * s
-    return max(shares, once)
+
+    def shares(per_output: float) -> float:
+        return threadgroups * 3 * (s * 0.5 * per_output) ** (1 / 3) * v ** (2 / 3)
+
+    # the scales once in all, or a share of a line per weight row each threadgroup touches
+    balanced = max(shares(p) + N * K / BLOCKSIZE, shares(p + scale_line_share(K) / M))
+    once = N * K / 2 + N * K / BLOCKSIZE + M * K * s + M * N * s
+    return max(balanced, once)
+
+
+def scale_line_share(K: int, line: int = 128) -> float:
+    """The least part of a `line`-byte line a threadgroup reads per weight row it forms products with,
+    for the 8-bit block scales (one byte per block of 64, rows of K / 64 bytes, one after another): a
+    line meets at most r rows' scales, so a threadgroup touching R rows reads at least R / r lines,
+    line / r bytes per row. r = line / (K / 64) where that divides; else the most rows any line meets
+    (K = 3072: 48 bytes per row, up to 4 rows in a line)."""
+    row = K // BLOCKSIZE
+    if row == 0 or K % BLOCKSIZE:
+        return 0.0  # (blocks that straddle rows: no share claimed)
+    most = max(len({b // row for b in range(start, start + line)}) for start in range(0, math.lcm(row, line), line))
+    return line / most
 
 
 #: the chips of the table (bnb_mps.chips): the oldest base chip, a Max, a Pro, the newest base chip

@@ -65,7 +65,7 @@ def test_small_batch_targets(profiler, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(3072, 1024), (1024, 3072), (1024, 11008), (11008, 1024)], ids=str)
+@pytest.mark.parametrize("shape", [(3072, 1024), (1024, 3072), (1024, 11008), (11008, 1024), (4096, 4096)], ids=str)
 def test_small_batch_targets_every_m(profiler, shape, dtype):
     print("\n".join(check_targets(*shape, dtype, range(2, 33))))
 
@@ -85,6 +85,28 @@ def test_the_built_in_route_models_the_least_traffic(profiler):
             assert f.traffic >= cm.lower_bound(1024, 1024, M, torch.float16, f.threadgroups), (M, f.path)
     small = cm.profile(1024, 256, 8, torch.float16)
     assert small.path == "small" and small.kernels == ("bnb_gemm_4bit_small_nested_f16",)
+
+
+def test_the_bound_charges_each_threadgroup_a_scale_line_share_per_weight_row(profiler, monkeypatch):
+    """K = 4096: a weight row's 64 scale bytes are half a 128-byte line, so a threadgroup that touches a
+    row reads at least 64 bytes of scales for it (`scale_line_share`), whatever slice of K it takes. The
+    bound that counts this is above the one that counts the scales once, and still below every kernel
+    measured (the split-K kernel's own bound, too)."""
+    N, K = 128, 4096
+    assert cm.scale_line_share(K) == K / 64 and cm.scale_line_share(8192) == 128
+    assert cm.scale_line_share(3072) == 128 / 4  # 48 bytes a row: a line meets up to 4 rows' scales
+    for M in (1, 4, 32):
+        built_in, *others = cm.routes(M, N, K)
+        for path in (built_in, *others):
+            f = cm.profile(N, K, M, torch.float16, None if path == built_in else path)
+            assert f.traffic >= cm.lower_bound(N, K, M, torch.float16, f.threadgroups), (M, path)
+            if path == "splitk":
+                split_k = cm.lower_bound(N, K, M, torch.float16, f.threadgroups, cm.SPLIT_K_PARTIAL_BYTES)
+                assert f.traffic >= split_k, (M, path)
+    splitk = cm.profile(N, K, 32, torch.float16)
+    with_lines = cm.lower_bound(N, K, 32, torch.float16, splitk.threadgroups, cm.SPLIT_K_PARTIAL_BYTES)
+    monkeypatch.setattr(cm, "scale_line_share", lambda K: 0.0)
+    assert cm.lower_bound(N, K, 32, torch.float16, splitk.threadgroups, cm.SPLIT_K_PARTIAL_BYTES) < 0.95 * with_lines
 
 
 def test_the_bound_leaves_no_kernel_the_whole_target_at_32_rows(profiler):
