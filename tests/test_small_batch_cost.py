@@ -118,6 +118,16 @@ def test_the_bound_leaves_no_kernel_the_whole_target_at_32_rows(profiler):
     assert cm.lower_bound(1024, 1024, 32, torch.float32, one.threadgroups) > bound
 
 
+def test_as_many_threadgroups_as_gemv_leave_deterministic_split_k_no_room_at_8_rows(profiler):
+    """Why the split-K kernel takes half the gemv kernel's threadgroups (docs/small-batch.md): with as
+    many, the bound of deterministic split-K kernels is above 1.25x the M = 1 call's traffic at M = 8
+    (float16, K = 1024), while with half it leaves room (the kernel meets it: test_small_batch_targets)."""
+    one = cm.profile(1024, 1024, 1, torch.float16)
+    split_k = cm.SPLIT_K_PARTIAL_BYTES
+    assert cm.lower_bound(1024, 1024, 8, torch.float16, one.threadgroups, split_k) > 1.25 * one.traffic
+    assert cm.lower_bound(1024, 1024, 8, torch.float16, math.ceil(one.threadgroups / 2), split_k) < 1.25 * one.traffic
+
+
 # -- float32 accuracy: error against float64 in units of 2^-24 * sum|a * w| (issue 33) --------------------------
 
 # bitsandbytes' CUDA kernels on an H100 (issue 33): 1.6 to 2.6 units at M = 16 to 128. The rule: no more than
