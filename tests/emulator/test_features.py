@@ -253,6 +253,29 @@ def test_atomics_histogram(lib):
                          args=[values, torch.zeros(16, dtype=torch.int32), uint32(n)])
 
 
+def test_weak_compare_exchange_fails_spuriously_and_a_retry_loop_counts_every_lane(lib):
+    """A GPU's weak compare-exchange may fail with the value equal to the expected one; x86's never does,
+    so the emulator fails some on purpose (docs/emulator.md). Lanes that try once on a cell nobody else
+    touches: some fail, each failure leaving the cell as it was and reporting the value it found (0);
+    the retry loop on a shared counter still counts every lane once."""
+    n = 256
+
+    def check(args):
+        cells, tries, counter = args[0], args[1].view(n, 2), args[2]
+        ok = tries[:, 0] == 1
+        assert 0 < int(ok.sum()) < n, int(ok.sum())
+        assert torch.equal(cells[ok], torch.arange(1, n + 1, dtype=torch.int32)[ok])
+        assert torch.equal(cells[~ok], torch.zeros(int((~ok).sum()), dtype=torch.int32))
+        assert torch.equal(tries[:, 1], torch.zeros(n, dtype=torch.int32))
+        assert int(counter[0]) == n
+
+    def make_args():
+        return [torch.zeros(n, dtype=torch.int32), torch.full((2 * n,), 7, dtype=torch.int32),
+                torch.zeros(1, dtype=torch.int32)]  # fmt: skip
+
+    launch_all_orders(lib, "cas_weak", threads=n, threadgroup=64, check=check, make_args=make_args)
+
+
 @pytest.mark.parametrize("mode", ["groups", "threads"])
 def test_position_attributes(lib, mode):
     tg = (4, 2, 2)

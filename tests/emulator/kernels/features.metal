@@ -218,6 +218,23 @@ kernel void histogram(device const uint* values [[buffer(0)]],
     atomic_fetch_add_explicit(&hist[i], atomic_load_explicit(&local[i], memory_order_relaxed), memory_order_relaxed);
 }
 
+// Weak compare-exchange: one try per lane on a cell of its own (no other lane touches it, so only a
+// spurious failure fails it), then a retry loop on a shared counter.
+kernel void cas_weak(device atomic_uint* cells [[buffer(0)]],
+                     device uint* tries [[buffer(1)]],
+                     device atomic_uint* counter [[buffer(2)]],
+                     uint gid [[thread_position_in_grid]]) {
+  uint expected = 0u;
+  const bool ok = atomic_compare_exchange_weak_explicit(&cells[gid], &expected, gid + 1u, memory_order_relaxed,
+                                                        memory_order_relaxed);
+  tries[2u * gid] = ok ? 1u : 0u;
+  tries[2u * gid + 1u] = expected;
+  uint seen = atomic_load_explicit(counter, memory_order_relaxed);
+  while (!atomic_compare_exchange_weak_explicit(counter, &seen, seen + 1u, memory_order_relaxed,
+                                                memory_order_relaxed)) {
+  }
+}
+
 // Position attributes in 3D, for dispatches by threadgroups and by threads (edge groups).
 kernel void positions(device uint* out [[buffer(0)]],
                       uint3 gpos [[thread_position_in_grid]],

@@ -710,10 +710,30 @@ inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
   BNB_EMU_PROFILE_MUTE;
   return __atomic_exchange_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
 }
+namespace emu {
+// A weak compare-exchange may fail although the value equals *expected: spuriously, as it may on a
+// GPU (Metal's atomic_compare_exchange_weak_explicit), where x86's never does. The emulator makes
+// half of them fail so, at random (a fixed xorshift sequence per worker thread), storing the value
+// it found in *expected as a failure does: a kernel that takes a failed weak compare-exchange for
+// "another thread changed it" fails its tests, and a retry loop gets through after two tries on
+// average. (A failed try is not profiled: the profiler sees one atomic access per real try.)
+inline bool spurious_failure() {
+  static thread_local uint32_t state = 0x9e3779b9u;
+  state ^= state << 13;
+  state ^= state >> 17;
+  state ^= state << 5;
+  return (state >> 31) != 0u;
+}
+}  // namespace emu
+
 template <class T, class U>
 inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expected, U desired, memory_order,
                                                   memory_order) {
   BNB_EMU_PROFILE_MUTE;
+  if (emu::spurious_failure()) {
+    *expected = __atomic_load_n(const_cast<T*>(&a->value), __ATOMIC_SEQ_CST);
+    return false;
+  }
   return __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false, __ATOMIC_SEQ_CST,
                                      __ATOMIC_SEQ_CST);
 }
