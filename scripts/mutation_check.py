@@ -6,7 +6,7 @@ text) and the test selection that should catch it. The check copies the reposito
 directory, plants each fault there in turn, runs its tests against that copy, and reports which
 faults the tests caught (a test failed) and which survived (every selected test passed):
 
-    python scripts/mutation_check.py              # every fault (about 15 minutes on 2 cores, 86 faults)
+    python scripts/mutation_check.py              # every fault (about 20 minutes on 2 cores, 89 faults)
     python scripts/mutation_check.py T9 R2        # the faults named
     python scripts/mutation_check.py --list       # the faults, not run
     python scripts/mutation_check.py --json out.json
