@@ -197,8 +197,10 @@ step "host cost per op call" "$WORK/bench_op_overhead.log" "" 900 -- \
 # first use (kernel paths and variants, dequantize+linear, bitsandbytes' own), against dense fp16
 # linear and, where mlx is installed, MLX's quantized_matmul; the table and the chart go into the
 # report. Its own cache file, so the run measures afresh. The dry run measures a small shape on the
-# emulated tier (host-clock figures that mean nothing for a GPU).
-TUNE_ARGS=(--model Llama-3-8B)
+# emulated tier (host-clock figures that mean nothing for a GPU). The row counts: decode (1), the
+# small batches of docs/small-batch.md (2..32, where the split-K kernel is the built-in route and its
+# speed against gemv, small, batch and mma is for this run to show), and prefill (512, 2048).
+TUNE_ARGS=(--model Llama-3-8B --m 1,2,4,8,16,32,512,2048)
 [ "$DRY" = 1 ] && TUNE_ARGS=(--tier emulated --shapes 64x128 --m 1,8,40)
 step "tuning (python -m bnb_mps tune)" "$WORK/tune.log" "${TUNE_ARGS[*]}" 3600 -- \
   env BNB_MPS_TUNE_CACHE="$WORK/tune-cache.json" "$VPY" -m bnb_mps tune "${TUNE_ARGS[@]}" --json "$WORK/tune.json" \
