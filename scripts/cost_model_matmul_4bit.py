@@ -130,6 +130,51 @@ def scale_line_share(K: int, line: int = 128) -> float:
     return line / most
 
 
+#: bytes of the nested code table (256 float32 values), whose lines each threadgroup touches
+NESTED_CODE_BYTES = 256 * 4
+SPLIT_K_SLICE = 256  # the split-K kernel's slices start at multiples of this in K
+
+
+def shape_count(N: int, K: int, M: int, dtype: torch.dtype, splits: int, tables: bool = False) -> float:
+    """What no kernel of the split-K kernel's shape can go below (docs/small-batch.md, "Nor can any
+    kernel of its shape"): tiles of 16 S weight rows by S slices of K (S = `splits`), each threadgroup
+    reading one slice of its tile for all M rows of A, each weight byte read once. Counted, in bytes:
+    A once per tile; S float32 partial sums written and S - 1 read back per output; each weight row's
+    scales by every slice that is not empty (a share of a line a row: `scale_line_share`), or once in
+    all, whichever is more; the weight and the output once. `tables`: and the nested code table's lines
+    by every threadgroup (what the split-K kernel also pays, whatever its shape, with random codes)."""
+    s = dtype.itemsize
+    span = -(-K // (SPLIT_K_SLICE * splits)) * SPLIT_K_SLICE
+    used = -(-K // span)  # slices that are not empty
+    tiles = -(-N // (16 * splits))
+    count = (tiles * M * K * s + (2 * splits - 1) * 4 * M * N + max(N * K / BLOCKSIZE, used * N * scale_line_share(K))
+             + N * K / 2 + M * N * s)  # fmt: skip
+    return count + (tiles * splits * NESTED_CODE_BYTES if tables else 0)
+
+
+def counts(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out=sys.stdout) -> None:
+    """Prints, per shape and M, `shape_count` for each S (with and without the code table's lines) against
+    the M = 1 call's traffic, beside the split-K kernel's own figure (its S: splitk_splits)."""
+    from bnb_mps.ops import matmul_4bit
+
+    for N, K in shapes:
+        base = profile(N, K, 1, dtype)
+        choices = [S for S in (2, 4, 8, 16) if K >= S * SPLIT_K_SLICE]
+        print(f"\n{N}x{K}, {str(dtype).removeprefix('torch.')}: the split-K shape's count against the M = 1 call's "
+              f"traffic ({base.traffic / 1e6:.3f} MB), without / with the code table's lines", file=out)
+        head = ["M", *(f"S = {S}" for S in choices), "split-K kernel (S)"]
+        print(" | ".join(head), file=out)
+        print(" | ".join("---" for _ in head), file=out)
+        for M in ms:
+            cells = [str(M)]
+            for S in choices:
+                a, b = (shape_count(N, K, M, dtype, S, tables) / base.traffic for tables in (False, True))
+                cells.append(f"{a:.3f} / {b:.3f}")
+            f = profile(N, K, M, dtype, "splitk")
+            cells.append(f"{f.traffic / base.traffic:.3f} ({matmul_4bit.splitk_splits(M, K, dtype.itemsize)})")
+            print(" | ".join(cells), file=out, flush=True)
+
+
 #: the chips of the table (bnb_mps.chips): the oldest base chip, a Max, a Pro, the newest base chip
 CHIPS = ("M1", "M3 Max", "M4 Pro", "M5")
 DEFAULT_SHAPES = "3072x1024,1024x3072,4096x4096"
@@ -184,6 +229,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"NxK,... (default {DEFAULT_SHAPES})")
     parser.add_argument("--m", default=DEFAULT_M, help=f"rows of A (default {DEFAULT_M})")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--counts", action="store_true",
+                        help="print the split-K shape's count per S (`shape_count`) instead of the routes' table")
     args = parser.parse_args(argv)
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     ms = [int(m) for m in args.m.split(",")]
@@ -191,7 +238,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("Figures of the cost model (bnb_mps.emulator.profile under the emulator), not of hardware: modelled DRAM "
           "traffic = lines each threadgroup touches, summed; unique = lines touched at all; time = traffic / the chip's "
           "peak bandwidth (bnb_mps.chips). * = the built-in route (bnb_mps.ops.matmul_4bit.choose_path).")
-    table(shapes, ms, getattr(torch, args.dtype))
+    if args.counts:
+        counts(shapes, ms, getattr(torch, args.dtype))
+    else:
+        table(shapes, ms, getattr(torch, args.dtype))
     print(f"\n({time.perf_counter() - start:.0f} s under the emulator)")
     return 0
 

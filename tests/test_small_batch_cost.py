@@ -109,6 +109,22 @@ def test_the_bound_charges_each_threadgroup_a_scale_line_share_per_weight_row(pr
     assert cm.lower_bound(N, K, 32, torch.float16, splitk.threadgroups, cm.SPLIT_K_PARTIAL_BYTES) < 0.95 * with_lines
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_the_split_k_kernel_pays_its_shapes_count_and_the_code_tables_lines_and_little_more(profiler, dtype):
+    """docs/small-batch.md, "Nor can any kernel of its shape": the split-K kernel is charged at least what
+    any kernel of its shape must move at its S (`shape_count`), and within 4 % of that count with the
+    nested code table's lines (K a multiple of 256: no line of the weight cut by two slices)."""
+    from bnb_mps.ops import matmul_4bit
+
+    for N, K in ((1024, 1024), (128, 4096)):
+        for M in (2, 8, 32):
+            f = cm.profile(N, K, M, dtype)
+            S = matmul_4bit.splitk_splits(M, K, dtype.itemsize)
+            assert f.path == "splitk", (N, K, M)
+            assert cm.shape_count(N, K, M, dtype, S) <= f.traffic <= 1.04 * cm.shape_count(N, K, M, dtype, S, True), \
+                (N, K, M, S, f.traffic, cm.shape_count(N, K, M, dtype, S, True))
+
+
 def test_the_bound_leaves_no_kernel_the_whole_target_at_32_rows(profiler):
     """float32, 1024x1024, M = 32: even the bound of every kernel with half the M = 1 call's threadgroups
     (and the bound grows with more) is above 1.6x the M = 1 call's traffic."""
