@@ -135,18 +135,20 @@ NESTED_CODE_BYTES = 256 * 4
 SPLIT_K_SLICE = 256  # the split-K kernel's slices start at multiples of this in K
 
 
-def shape_count(N: int, K: int, M: int, dtype: torch.dtype, splits: int, tables: bool = False) -> float:
+def shape_count(N: int, K: int, M: int, dtype: torch.dtype, splits: int, tables: bool = False,
+                rows: int = 16) -> float:
     """What no kernel of the split-K kernel's shape can go below (docs/small-batch.md, "Nor can any
     kernel of its shape"): tiles of 16 S weight rows by S slices of K (S = `splits`), each threadgroup
     reading one slice of its tile for all M rows of A, each weight byte read once. Counted, in bytes:
     A once per tile; S float32 partial sums written and S - 1 read back per output; each weight row's
     scales by every slice that is not empty (a share of a line a row: `scale_line_share`), or once in
     all, whichever is more; the weight and the output once. `tables`: and the nested code table's lines
-    by every threadgroup (what the split-K kernel also pays, whatever its shape, with random codes)."""
+    by every threadgroup (what the split-K kernel also pays, whatever its shape, with random codes).
+    `rows` x S weight rows a tile: 16 (half the gemv kernel's threadgroups), 8 (as many)."""
     s = dtype.itemsize
     span = -(-K // (SPLIT_K_SLICE * splits)) * SPLIT_K_SLICE
     used = -(-K // span)  # slices that are not empty
-    tiles = -(-N // (16 * splits))
+    tiles = -(-N // (rows * splits))
     count = (tiles * M * K * s + (2 * splits - 1) * 4 * M * N + max(N * K / BLOCKSIZE, used * N * scale_line_share(K))
              + N * K / 2 + M * N * s)  # fmt: skip
     return count + (tiles * splits * NESTED_CODE_BYTES if tables else 0)
