@@ -6,7 +6,7 @@ text) and the test selection that should catch it. The check copies the reposito
 directory, plants each fault there in turn, runs its tests against that copy, and reports which
 faults the tests caught (a test failed) and which survived (every selected test passed):
 
-    python scripts/mutation_check.py              # every fault (about 20 minutes on 2 cores, 89 faults)
+    python scripts/mutation_check.py              # every fault (about 20 minutes on 2 cores, 90 faults)
     python scripts/mutation_check.py T9 R2        # the faults named
     python scripts/mutation_check.py --list       # the faults, not run
     python scripts/mutation_check.py --json out.json
@@ -303,6 +303,10 @@ FAULTS = [
           "memory_order_relaxed,\n                                                       memory_order_relaxed));",
           "memory_order_relaxed,\n                                                       memory_order_relaxed) && false);",
           (SPLITK,), "a count whose weak compare-and-swap fails is tried again (it may fail spuriously on a GPU)"),
+    Fault("SK9", "csrc/kernels/gemm_4bit_splitk.h",
+          "    threadgroup_barrier(mem_flags::mem_device);\n    if (tid == 0u) {",
+          "    if (tid == 0u) {", (SPLITK,),
+          "a threadgroup counts itself in only after all of its threads wrote their partial sums"),
     Fault("SK7", "bnb_mps/ops/workspace.py", "    return (next(_calls) - 1) % (TAGS - 1) + 1\n",
           "    return 1\n", (SPLITK,), "each call counts under a tag of its own"),
     Fault("SK3", "csrc/kernels/gemm_4bit_splitk.h", "for (uint s = 1; s < S; ++s) {",

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .errors import CompileError
 
-ABI_VERSION = 6  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
+ABI_VERSION = 7  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
 
 
 def include_dir() -> Path:

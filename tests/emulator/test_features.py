@@ -4,6 +4,7 @@ of libm functions within a few ulp."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -274,6 +275,29 @@ def test_weak_compare_exchange_fails_spuriously_and_a_retry_loop_counts_every_la
                 torch.zeros(1, dtype=torch.int32)]  # fmt: skip
 
     launch_all_orders(lib, "cas_weak", threads=n, threadgroup=64, check=check, make_args=make_args)
+
+
+@pytest.mark.skipif(os.environ.get("BNB_MPS_EMU_THREADS") == "1", reason="one emulator worker: nothing runs beside")
+def test_a_threadgroup_may_stall_after_a_device_atomic_while_the_others_run(lib):
+    """A GPU may deschedule a threadgroup right after it published a count; the emulator stalls the
+    threadgroup after a device atomic while the others run (docs/emulator.md). A hand-over that does not
+    order the threadgroup's writes before its count then shows the last threadgroup elements another
+    one had not written yet; with a device-memory barrier before the count it sees every one."""
+    groups = 8
+    want = torch.arange(1, groups * 64 + 1, dtype=torch.int32)
+
+    def run(ordered: int, order: str) -> torch.Tensor:
+        args = [torch.zeros(groups * 64, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                torch.full((groups * 64,), -1, dtype=torch.int32), uint32(ordered)]  # fmt: skip
+        lib.launch("hand_over", grid=groups, threadgroup=64, args=args, order=order, seed=7)
+        assert int(args[1][0]) == groups
+        return args[2]
+
+    for order in ORDERS:
+        assert torch.equal(run(1, order), want), order
+    unordered = run(0, "forward")  # (thread 0 runs first: it counts before the others write)
+    assert not torch.equal(unordered, want)
+    assert int((unordered == 0).sum()) > 0  # elements not written when the last threadgroup read them
 
 
 @pytest.mark.parametrize("mode", ["groups", "threads"])

@@ -326,6 +326,13 @@ struct Dispatch {
   // Profiling: one slot per worker, claimed when the worker joins the dispatch.
   std::vector<std::unique_ptr<WorkerProfile>> profiles;
   std::atomic<size_t> next_profile{0};
+  // Stalls after device atomics (rt_device_atomic): the workers that have not left the dispatch,
+  // and the tickets of those stalled, oldest first.
+  std::mutex stall_mu;
+  std::condition_variable stall_cv;
+  unsigned running = 0;
+  std::vector<uint64_t> stalled;
+  uint64_t tickets = 0;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -659,6 +666,35 @@ void rt_threadgroup_access(const void* p, size_t n, int kind, const char* file, 
   }
 }
 
+// A GPU promises nothing about when a threadgroup runs, nor that it runs on after it published
+// something through device memory: it may be descheduled right after an atomic while every other
+// threadgroup of the dispatch runs to its end. The emulator does that on purpose. A lane's atomic
+// store or read-modify-write of device memory stalls its worker (and so its threadgroup, part-way)
+// until every worker still in the dispatch is stalled or has left it; then the newest stalled one
+// goes on. So the first threadgroup to publish waits while the others run, and a kernel whose other
+// threadgroups read what that one's other threads had not written yet (a hand-over without the
+// barrier that orders those writes first) reads it unwritten. Nothing waits in a profiled dispatch
+// (its counts do not depend on the order) or with one worker.
+void release_stalled(Dispatch* d) {
+  if (!d->stalled.empty() && d->stalled.size() >= d->running) {
+    d->stalled.pop_back();
+    d->stall_cv.notify_all();
+  }
+}
+
+void rt_device_atomic(const void* p) {
+  Worker* w = t_worker;
+  Dispatch* d = w ? w->d : nullptr;
+  if (!d || d->req->profiling || d->running < 2) return;
+  auto* b = static_cast<const unsigned char*>(p);
+  if (b >= w->arena && b < w->arena + w->arena_used) return;  // threadgroup memory
+  std::unique_lock<std::mutex> lk(d->stall_mu);
+  const uint64_t ticket = ++d->tickets;
+  d->stalled.push_back(ticket);
+  release_stalled(d);
+  d->stall_cv.wait(lk, [&] { return std::find(d->stalled.begin(), d->stalled.end(), ticket) == d->stalled.end(); });
+}
+
 void rt_profile_access(const void* p, size_t n, int kind) {
   Worker* w = t_worker;
   if (!w || !w->prof) return;
@@ -690,7 +726,7 @@ const bnb_emu_runtime g_table = {
     rt_threadgroup_alloc, rt_barrier, rt_simd_collective,
     rt_threadgroup_access, rt_fail, rt_profile_access,
     rt_profile_mute,      &g_window,   rt_matrix_op,
-    &g_dispatch,           stack_align(),
+    &g_dispatch,           stack_align(),   rt_device_atomic,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1250,6 +1286,7 @@ class Pool {
     }
     g_dispatch.buffers = d->buffers.data();
     g_dispatch.buffer_count = uint32_t(d->buffers.size());
+    d->running = size();  // (each worker leaves it in `loop`)
     std::unique_lock<std::mutex> lk(mu_);
     job_ = d;
     active_ = size();
@@ -1314,6 +1351,11 @@ class Pool {
             break;
           }
         }
+      }
+      {
+        std::lock_guard<std::mutex> lk(d->stall_mu);
+        --d->running;
+        release_stalled(d);
       }
       w.d = nullptr;
       w.prof = nullptr;
@@ -1556,9 +1598,12 @@ std::string lane_text(const RawFault& f) {
 
 }  // namespace
 
+// One worker per CPU, and at least two (unless BNB_MPS_EMU_THREADS says otherwise): threadgroups run
+// side by side even on one CPU, so that one may stall after a device atomic while others run on
+// (rt_device_atomic).
 unsigned worker_count() {
   static const unsigned n = [] {
-    unsigned v = std::thread::hardware_concurrency();
+    unsigned v = std::max(2u, std::thread::hardware_concurrency());
     if (const char* e = std::getenv("BNB_MPS_EMU_THREADS")) v = unsigned(std::strtoul(e, nullptr, 10));
     return std::max(1u, std::min(v ? v : 1u, 64u));
   }();

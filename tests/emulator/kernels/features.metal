@@ -235,6 +235,33 @@ kernel void cas_weak(device atomic_uint* cells [[buffer(0)]],
   }
 }
 
+// A hand-over between threadgroups through device memory: each threadgroup's 64 threads write their
+// element of `data`, thread 0 counts the threadgroup in, and the threadgroup that counts last copies
+// all of `data` to `seen`. `ordered`: a device-memory barrier orders the threadgroup's writes before
+// its count (as the split-K kernel does); without it thread 0 may count before the others wrote.
+kernel void hand_over(device uint* data [[buffer(0)]],
+                      device atomic_uint* count [[buffer(1)]],
+                      device uint* seen [[buffer(2)]],
+                      constant uint& ordered [[buffer(3)]],
+                      uint tg [[threadgroup_position_in_grid]],
+                      uint tid [[thread_index_in_threadgroup]],
+                      uint groups [[threadgroups_per_grid]]) {
+  threadgroup uint last[1];
+  data[tg * 64u + tid] = tg * 64u + tid + 1u;
+  if (ordered != 0u) {
+    threadgroup_barrier(mem_flags::mem_device);
+  }
+  if (tid == 0u) {
+    last[0] = atomic_fetch_add_explicit(count, 1u, memory_order_relaxed) + 1u == groups ? 1u : 0u;
+  }
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+  if (last[0] != 0u) {
+    for (uint i = tid; i < groups * 64u; i += 64u) {
+      seen[i] = data[i];
+    }
+  }
+}
+
 // Position attributes in 3D, for dispatches by threadgroups and by threads (edge groups).
 kernel void positions(device uint* out [[buffer(0)]],
                       uint3 gpos [[thread_position_in_grid]],

@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BNB_EMU_ABI_VERSION 6
+#define BNB_EMU_ABI_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -147,6 +147,10 @@ typedef struct bnb_emu_runtime {
   const bnb_emu_lane* (*matrix_op)(const char* what, const void* args, size_t size, const char* file, int line);
   const bnb_emu_dispatch* dispatch;
   uintptr_t stack_align; /* see bnb_emu_fiber */
+  /* After an atomic store or read-modify-write of the calling lane at `p`: where `p` is device memory
+   * (not threadgroup memory) and the dispatch is not profiled, the lane's threadgroup may be stalled
+   * there while other threadgroups run (rt_device_atomic in runtime.cpp). Not a yield point. */
+  void (*device_atomic)(const void* p);
 } bnb_emu_runtime;
 
 typedef void (*bnb_emu_kernel_fn)(void);

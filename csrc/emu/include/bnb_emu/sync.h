@@ -684,6 +684,10 @@ inline T* atomic_ptr(const volatile atomic<T>* a, int kind = BNB_EMU_PROFILE_ATO
   (void)kind;
   return const_cast<T*>(&a->value);
 }
+// After an atomic that wrote: where `a` is device memory, the runtime may stall the threadgroup here
+// while the dispatch's other threadgroups run (rt_device_atomic in runtime.cpp, docs/emulator.md).
+inline void wrote(const volatile void* a) { rt->device_atomic(const_cast<const void*>(a)); }
+
 template <class T, class F>
 inline T atomic_update(const volatile atomic<T>* a, F f) {
   BNB_EMU_PROFILE_MUTE;
@@ -691,6 +695,7 @@ inline T atomic_update(const volatile atomic<T>* a, F f) {
   T old = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (!__atomic_compare_exchange_n(p, &old, f(old), true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
   }
+  wrote(a);
   return old;
 }
 }  // namespace emu
@@ -699,6 +704,7 @@ template <class T, class U>
 inline void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
   BNB_EMU_PROFILE_MUTE;
   __atomic_store_n(emu::atomic_ptr(a, BNB_EMU_PROFILE_STORE), T(v), __ATOMIC_SEQ_CST);
+  emu::wrote(a);
 }
 template <class T>
 inline T atomic_load_explicit(const volatile atomic<T>* a, memory_order) {
@@ -708,7 +714,9 @@ inline T atomic_load_explicit(const volatile atomic<T>* a, memory_order) {
 template <class T, class U>
 inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
   BNB_EMU_PROFILE_MUTE;
-  return __atomic_exchange_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
+  const T old = __atomic_exchange_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
+  emu::wrote(a);
+  return old;
 }
 namespace emu {
 // A weak compare-exchange may fail although the value equals *expected: spuriously, as it may on a
@@ -734,15 +742,19 @@ inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expe
     *expected = __atomic_load_n(const_cast<T*>(&a->value), __ATOMIC_SEQ_CST);
     return false;
   }
-  return __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false, __ATOMIC_SEQ_CST,
-                                     __ATOMIC_SEQ_CST);
+  const bool swapped = __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false,
+                                                   __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  if (swapped) emu::wrote(a);
+  return swapped;
 }
 template <class T, class U>
 inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* a, T* expected, U desired, memory_order,
                                                     memory_order) {
   BNB_EMU_PROFILE_MUTE;
-  return __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false, __ATOMIC_SEQ_CST,
-                                     __ATOMIC_SEQ_CST);
+  const bool swapped = __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false,
+                                                   __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  if (swapped) emu::wrote(a);
+  return swapped;
 }
 #define BNB_EMU_ATOMIC_RMW(name, expr)                                                              \
   template <class T, class U>                                                                       \
