@@ -132,7 +132,6 @@ def scale_line_share(K: int, line: int = 128) -> float:
 
 #: bytes of the nested code table (256 float32 values), whose lines each threadgroup touches
 NESTED_CODE_BYTES = 256 * 4
-SPLIT_K_SLICE = 256  # the split-K kernel's slices start at multiples of this in K
 
 
 def shape_count(N: int, K: int, M: int, dtype: torch.dtype, splits: int, tables: bool = False,
@@ -145,8 +144,10 @@ def shape_count(N: int, K: int, M: int, dtype: torch.dtype, splits: int, tables:
     all, whichever is more; the weight and the output once. `tables`: and the nested code table's lines
     by every threadgroup (what the split-K kernel also pays, whatever its shape, with random codes).
     `rows` x S weight rows a tile: 16 (half the gemv kernel's threadgroups), 8 (as many)."""
+    from bnb_mps.ops.matmul_4bit import _SPLITK_ALIGN as align  # (slices start at multiples of it in K)
+
     s = dtype.itemsize
-    span = -(-K // (SPLIT_K_SLICE * splits)) * SPLIT_K_SLICE
+    span = -(-K // (align * splits)) * align
     used = -(-K // span)  # slices that are not empty
     tiles = -(-N // (rows * splits))
     count = (tiles * M * K * s + (2 * splits - 1) * 4 * M * N + max(N * K / BLOCKSIZE, used * N * scale_line_share(K))
@@ -161,7 +162,7 @@ def counts(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out
 
     for N, K in shapes:
         base = profile(N, K, 1, dtype)
-        choices = [S for S in (2, 4, 8, 16) if K >= S * SPLIT_K_SLICE]
+        choices = [S for S in (2, 4, 8, 16) if K >= S * matmul_4bit._SPLITK_ALIGN]
         print(f"\n{N}x{K}, {str(dtype).removeprefix('torch.')}: the split-K shape's count against the M = 1 call's "
               f"traffic ({base.traffic / 1e6:.3f} MB), without / with the code table's lines", file=out)
         head = ["M", *(f"S = {S}" for S in choices), "split-K kernel (S)"]
