@@ -320,6 +320,12 @@ FAULTS = [
     Fault("SK6", "bnb_mps/ops/matmul_4bit.py", "return \"splitk\" if K >= SPLITK_MIN_K else \"small\"",
           "return \"small\"", ("tests/test_small_batch_cost.py", "-k", "targets and not every"),
           "the built-in route for 2..32 rows from K = 512 is the split-K kernel"),
+    Fault("SK10", "bnb_mps/ops/matmul_4bit.py", "1 if nested is not None else absmax.element_size(), blocksize)",
+          "1, blocksize)", ("tests/test_small_batch_cost.py", "-k", "slices"),
+          "the split-K slices are chosen for float32 absmax's 4 bytes of scales a block"),
+    Fault("SK11", "bnb_mps/ops/matmul_4bit.py", "4 * (2 * S - 1) + out)", "4 * (2 * S - 1) + itemsize)",
+          ("tests/test_small_batch_cost.py", "-k", "slices"),
+          "the split-K slices are chosen counting the output's lines (a tile narrower than a line writes a line)"),
 ]
 
 

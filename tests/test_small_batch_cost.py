@@ -105,7 +105,7 @@ def test_the_bound_charges_each_threadgroup_a_scale_line_share_per_weight_row(pr
                 assert f.traffic >= split_k, (M, path)
     splitk = cm.profile(N, K, 32, torch.float16)
     with_lines = cm.lower_bound(N, K, 32, torch.float16, splitk.threadgroups, cm.SPLIT_K_PARTIAL_BYTES)
-    monkeypatch.setattr(cm, "scale_line_share", lambda K: 0.0)
+    monkeypatch.setattr(cm, "scale_line_share", lambda K, scale_bytes=1: 0.0)
     assert cm.lower_bound(N, K, 32, torch.float16, splitk.threadgroups, cm.SPLIT_K_PARTIAL_BYTES) < 0.95 * with_lines
 
 
@@ -123,6 +123,62 @@ def test_the_split_k_kernel_pays_its_shapes_count_and_the_code_tables_lines_and_
             assert f.path == "splitk", (N, K, M)
             assert cm.shape_count(N, K, M, dtype, S) <= f.traffic <= 1.04 * cm.shape_count(N, K, M, dtype, S, True), \
                 (N, K, M, S, f.traffic, cm.shape_count(N, K, M, dtype, S, True))
+
+
+# (N, K, dtype, M): where a count of the scales as one byte a block, or without the output's lines, picks another S
+SLICE_CASES = {
+    True: [(1024, 1024, torch.float16, 8), (1024, 3072, torch.float16, 13), (1024, 3072, torch.float32, 4),
+           (2048, 2048, torch.float16, 2)],
+    False: [(1024, 1024, torch.float16, 4), (1024, 1024, torch.float16, 8), (1024, 3072, torch.float16, 2),
+            (2048, 2048, torch.float32, 8), (1024, 4096, torch.float32, 4)],
+}
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "float32-absmax"])
+def test_the_split_k_kernel_takes_the_slices_the_model_charges_least(profiler, monkeypatch, nested):
+    """`splitk_splits` counts A, the partial sums, the scale lines each slice touches (float32 absmax:
+    4 bytes a block, a row's 16 of them in half a line at K = 1024, read again by every slice) and the
+    output's lines; of the S the kernel can take, the built-in call is charged at most 1 % more than the
+    least the profile charges any of them."""
+    from bnb_mps.ops import matmul_4bit
+
+    for N, K, dtype, M in SLICE_CASES[nested]:
+        built_in = cm.profile(N, K, M, dtype, nested=nested)
+        charged = {}
+        for S in (2, 4, 8, 16):
+            if K >= S * matmul_4bit._SPLITK_ALIGN:
+                monkeypatch.setattr(matmul_4bit, "splitk_splits", lambda *args, S=S: S)
+                charged[S] = cm.profile(N, K, M, dtype, "splitk", nested).traffic
+        monkeypatch.undo()
+        assert built_in.path == "splitk" and built_in.traffic <= 1.01 * min(charged.values()), (N, K, dtype, M, charged)
+
+
+def test_float32_absmax_targets_and_the_bound_where_they_fail(profiler):
+    """A weight without double quantization (float32 absmax, transformers' default) pays 4 bytes of scales a
+    block, and every slice of K reads the lines of its rows' scales (docs/small-batch.md, "Float32
+    absmax"). At K = 4096 both targets hold up to M = 8 and 13; at K = 1024 the bound of deterministic
+    split-K kernels with half the M = 1 call's threadgroups is above 1.25x at M = 8 (the kernel is above
+    its bound, and at or above its shape's count, within 4 % of it)."""
+    from bnb_mps.ops import matmul_4bit
+
+    for N, K, dtype in ((1024, 4096, torch.float16), (1024, 4096, torch.float32), (1024, 1024, torch.float16)):
+        one = cm.profile(N, K, 1, dtype, nested=False)
+        assert one.kernels == (f"bnb_gemv_4bit_absmax_{DT[dtype]}",)
+        for M in (2, 8, 13):
+            f = cm.profile(N, K, M, dtype, nested=False)
+            assert f.kernels == (f"bnb_gemm_4bit_splitk_absmax_{DT[dtype]}",) and 2 * f.threadgroups >= one.threadgroups
+            bound = cm.lower_bound(N, K, M, dtype, f.threadgroups, cm.SPLIT_K_PARTIAL_BYTES, nested=False)
+            S = matmul_4bit.splitk_splits(M, K, dtype.itemsize, 4)
+            count = cm.shape_count(N, K, M, dtype, S, nested=False)
+            assert bound <= count <= f.traffic <= 1.04 * count, (N, K, M, bound, count, f.traffic)
+            if K == 4096:
+                assert f.traffic <= (1.25 if M <= 8 else 1.6) * one.traffic, (N, K, dtype, M)
+    one = cm.profile(1024, 1024, 1, torch.float16, nested=False)
+    half = math.ceil(one.threadgroups / 2)
+    assert cm.lower_bound(1024, 1024, 8, torch.float16, half, cm.SPLIT_K_PARTIAL_BYTES, nested=False) > 1.25 * one.traffic
+    # (nested, the same bound leaves room: 8-bit codes, 16 bytes a row at K = 1024)
+    nested = cm.profile(1024, 1024, 1, torch.float16)
+    assert cm.lower_bound(1024, 1024, 8, torch.float16, half, cm.SPLIT_K_PARTIAL_BYTES) < 1.25 * nested.traffic
 
 
 def test_the_bound_leaves_no_kernel_the_whole_target_at_32_rows(profiler):

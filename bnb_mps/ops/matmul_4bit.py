@@ -4,6 +4,7 @@ kernel launchers (csrc/kernels/gemm_4bit.metal).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Optional
@@ -184,28 +185,49 @@ def choose_path(M: int, N: int, K: int) -> str:
     return "mma"
 
 
-def splitk_splits(M: int, K: int, itemsize: int) -> int:
-    """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`: of 2, 4, 8
-    and 16 (slices of 256 or more), the one the cost model charges least (docs/small-batch.md). Per
-    output column:
+def splitk_splits(M: int, K: int, itemsize: int, scale_bytes: int = 1, blocksize: int = 64) -> int:
+    """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`, on a weight
+    whose blocks of `blocksize` have scales of `scale_bytes` (1: nested 8-bit codes; 4: float32 absmax):
+    of 2, 4, 8 and 16 (slices of 256 or more), the one the cost model charges least
+    (docs/small-batch.md). Per output column:
     - A: a tile of 16 S columns reads A's M rows once over its S slices, M x K x itemsize bytes;
     - partial sums: 2 S - 1 of 4 bytes per row of A (S written, S - 1 read back by the threadgroup
       that adds them);
-    - scales: the 128-byte lines of a weight row's K / 64 scale bytes, read by every slice that is
-      not empty (all of them while a row's scales fit in a line; about once plus one line per slice
-      beyond). Slices are ceil(K / (256 S)) x 256 long, so the last ones may be empty: K = 3072 and
-      S = 8 make 6 slices of 512 and 2 empty ones.
+    - scales: the 128-byte lines of scales each slice's threadgroup touches (`_scale_lines`);
+    - the output: a tile writes a row's 16 S columns as whole lines (a tile narrower than a line
+      writes a line's worth: 32 columns of float16).
     1 where K < 512 (no split)."""
     best, best_cost = 1, None
     for S in (2, 4, 8, 16):
         if K < S * _SPLITK_ALIGN:
             break
-        used = -(-K // (-(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN))  # slices that are not empty
-        scales = min(used * K / 64, K / 64 + 128 * used)
-        cost = M * (K * itemsize / (_SMALL_ROWS_PER_TG * S) + 4 * (2 * S - 1)) + scales
+        width = _SMALL_ROWS_PER_TG * S
+        out = -(-width * itemsize // 128) * 128 / width
+        cost = M * (K * itemsize / width + 4 * (2 * S - 1) + out) + _scale_lines(K, S, scale_bytes, blocksize)
         if best_cost is None or cost < best_cost:
             best, best_cost = S, cost
     return best
+
+
+@functools.lru_cache(maxsize=256)
+def _scale_lines(K: int, S: int, scale_bytes: int, blocksize: int, line: int = 128) -> float:
+    """The bytes of scale lines the split-K kernel's threadgroups touch per weight row: a tile's 16 S rows
+    (the first tile's, from a line boundary) cut into slices of ceil(K / (256 S)) x 256; the slice of
+    row n from k0 to k1 takes the scales of blocks (n K + k0) / blocksize to (n K + k1 - 1) /
+    blocksize, `scale_bytes` each; every threadgroup touches the lines its rows' pieces meet. While a
+    line holds several rows' scales, each slice touches all of them (the scales S times); where a row's
+    scales span lines, about once plus a line per slice."""
+    rows = _SMALL_ROWS_PER_TG * S
+    span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
+    touched = 0
+    for k0 in range(0, K, span):
+        k1 = min(k0 + span, K)
+        lines = set()
+        for n in range(rows):
+            first, last = (n * K + k0) // blocksize * scale_bytes, ((n * K + k1 - 1) // blocksize + 1) * scale_bytes
+            lines.update(range(first // line, (last - 1) // line + 1))
+        touched += len(lines)
+    return touched * line / rows
 
 
 def paths(M: int, N: int, K: int) -> tuple[str, ...]:
@@ -309,7 +331,7 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
         grid, threads = (math.ceil(N / rows), 1, 1), (8 * rows, 1, 1)
     elif path == "splitk":
         name = f"bnb_gemm_4bit_splitk_{sc}_{dt}"
-        S = splitk_splits(M, K, A.element_size())
+        S = splitk_splits(M, K, A.element_size(), 1 if nested is not None else absmax.element_size(), blocksize)
         tiles = math.ceil(N / (_SMALL_ROWS_PER_TG * S))
         grid, threads = (tiles, S, 1), (128, 1, 1)
         partials = tiles * S * M * _SMALL_ROWS_PER_TG * S
