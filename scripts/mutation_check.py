@@ -326,6 +326,17 @@ FAULTS = [
     Fault("SK11", "bnb_mps/ops/matmul_4bit.py", "4 * (2 * S - 1) + out)", "4 * (2 * S - 1) + itemsize)",
           ("tests/test_small_batch_cost.py", "-k", "slices"),
           "the split-K slices are chosen counting the output's lines (a tile narrower than a line writes a line)"),
+    Fault("SK12", "csrc/kernels/gemm_4bit_splitk.h", "const uint phase = P == 1u ? 0u : (c * K) % BNB_SPLITK_ALIGN;",
+          "const uint phase = 0u;", (SPLITK,),
+          "where K % 256 != 0, each weight row is cut where its own lines begin: no line read by two slices"),
+    Fault("SK13", "csrc/kernels/gemm_4bit_splitk.h",
+          "const uint k_end = slice + 1u == S ? K : min(K, (slice + 1u) * span - phase);",
+          "const uint k_end = min(K, (slice + 1u) * span - phase);", (SPLITK,),
+          "the last slice runs to K, also where the phase moves its start back past S slices' reach"),
+    Fault("SK14", "csrc/kernels/gemm_4bit_splitk.h",
+          "const uint back = row < N ? 0u : (row - (N - 1u) + P - 1u) / P * P;",
+          "const uint back = row < N ? 0u : row - (N - 1u);", (SPLITK,),
+          "a tile's rows past N read a row of their own phase, over lines the tile reads anyway"),
 ]
 
 

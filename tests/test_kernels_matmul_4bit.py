@@ -56,6 +56,9 @@ PATH_SHAPES = {
     # two tiles of 64, the second partial
     "splitk": ((13, 70, 1040), "bnb_gemm_4bit_splitk"),
     "splitk-S8": ((16, 40, 4096), "bnb_gemm_4bit_splitk"),  # S = 8: eight groups of 16 columns per tile
+    # 1984 = 7 * 256 + 192: rows 4 phases apart in their lines, each cut where its own lines begin, a
+    # group per phase (S = 4), the last slice longer than the others; 50 columns: padding rows of each phase
+    "splitk-phases": ((12, 50, 1984), "bnb_gemm_4bit_splitk"),
     "mma": ((37, 70, 72), "bnb_gemm_4bit_mma"),  # two M tiles, two N tiles, 3 K steps (the last a half)
     "mma-any-K": ((3, 11, 45), "bnb_gemm_4bit_mma"),
 }

@@ -51,10 +51,13 @@ def _run(ex, case: Case, route=None):
     return y, R.check_accuracy(y.reshape(-1, case.N), A.reshape(-1, case.K), W, bias)
 
 
-# (2064: a short last slice; 11008 float32 at 16 rows: S = 16, a tile of 256 columns past N = 64)
+# (2064: a short last slice; 11008 float32 at 16 rows: S = 16, a tile of 256 columns past N = 64; 1984 and
+# 2880: rows cut where their own lines begin, 4 phases, 1984's last slice longer than the others)
 SAME_BITS = [(Case(9, 100, 2064, dtype=torch.float16, nested=True, bias=True, seed=21), 4),
-             (Case(9, 100, 2064, dtype=torch.float32, nested=True, bias=True, seed=21), 8),
-             (Case(16, 64, 11008, dtype=torch.float32, nested=True, bias=True, seed=22), 16)]
+             (Case(10, 100, 2064, dtype=torch.float32, nested=True, bias=True, seed=21), 8),
+             (Case(16, 64, 11008, dtype=torch.float32, nested=True, bias=True, seed=22), 16),
+             (Case(12, 40, 1984, dtype=torch.float16, nested=True, bias=True, seed=23), 4),
+             (Case(5, 70, 2880, dtype=torch.float32, nested=True, bias=True, seed=24), 8)]
 
 
 @pytest.mark.parametrize("case,S", SAME_BITS, ids=lambda x: f"{x.M}x{x.N}x{x.K}-{x.dtype}" if isinstance(x, Case) else f"S{x}")  # fmt: skip
@@ -154,11 +157,15 @@ def test_workspace_grows_and_refuses_negative_sizes():
         workspace.workspace("cpu", "test", -1, torch.int32, zeroed=False)
 
 
-@pytest.mark.parametrize("M,N,K,dtype", [(8, 128, 3072, torch.float32), (5, 128, 1040, torch.float16)])
+# (2880: rows 4 phases apart in their lines; 1152: 2; 1040: 16, more than S: one cut for all rows)
+@pytest.mark.parametrize("M,N,K,dtype", [(8, 128, 3072, torch.float32), (9, 128, 1040, torch.float16),
+                                         (8, 128, 2880, torch.float16), (6, 96, 1152, torch.float32)])
 def test_each_line_of_the_weight_and_of_the_output_is_moved_by_one_threadgroup(M, N, K, dtype):
-    """Under the cost model (the emulator's profile): slices start on a 128-byte line of every weight row,
-    so where rows are whole lines (K % 256 == 0) no line of the packed weight is touched by two
-    threadgroups; and only the last threadgroup of a
+    """Under the cost model (the emulator's profile): each weight row is cut where its own 128-byte lines
+    begin, so where rows are whole lines (K % 256 == 0) no line of the packed weight is touched by two
+    threadgroups, and where row n starts (n K) % 256 weights into a line, with P rows to a repeat of
+    those phases dividing S, only the lines that hold one row's end and the next row's start are (the
+    last slice of the one, the first of the other); and only the last threadgroup of a
     tile writes the tile's outputs, so no output line is either (a kernel whose every threadgroup added
     and stored the sums it could see would write each line S times)."""
     from extras import profile_compiler
@@ -178,7 +185,10 @@ def test_each_line_of_the_weight_and_of_the_output_is_moved_by_one_threadgroup(M
     dt = "f16" if dtype == torch.float16 else "f32"
     assert p.kernel == f"bnb_gemm_4bit_splitk_nested_{dt}" and p.grid[1] == S >= 4, (p.kernel, p.grid)
     weight, out = p.buffers[1], p.buffers[8]
-    if K % 256 == 0:  # (weight rows of whole lines; otherwise neighbouring rows share a line)
-        assert weight.lines_summed_over_threadgroups == weight.lines == N * K // 2 // 128
+    rest = K % 256
+    if rest == 0 or S % (256 // (rest & -rest)) == 0:
+        shared = sum(1 for n in range(1, N) if n * K % 256)  # rows that start inside a line
+        assert weight.lines_summed_over_threadgroups == weight.lines + shared and weight.lines == N * K // 256
+        assert shared == (0 if rest == 0 else N - 1 - (N - 1) // (256 // (rest & -rest))), shared
     assert out.lines_summed_over_threadgroups == out.lines and out.store_bytes == M * N * dtype.itemsize
     R.check_accuracy(y.reshape(-1, N), A.reshape(-1, K), W, bias)

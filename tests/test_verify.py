@@ -312,9 +312,9 @@ def test_cost_is_bounded(unmodified_run):
     verdicts, _, _ = unmodified_run
     launches = sum(v.launches for v in verdicts.values())
     nbytes = sum(v.bytes for v in verdicts.values())
-    # (206 launches, 2.6 MB: 9 launches each for the small path, its wide variant and the split-K path,
-    # 179 before them)
-    assert 0 < launches <= 210 and 0 < nbytes <= 3 << 20, (launches, nbytes)
+    # (215 launches, 3.2 MB: 9 launches each for the small path and its wide variant, 18 for the split-K
+    # path's two shapes, 1.2 MB of them, 179 before them)
+    assert 0 < launches <= 220 and 0 < nbytes <= 7 << 19, (launches, nbytes)
 
 
 _DTYPE_TAG = r"_(f16|bf16|f32)(_f32bias)?"

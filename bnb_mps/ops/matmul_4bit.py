@@ -190,20 +190,32 @@ def splitk_splits(M: int, K: int, itemsize: int, scale_bytes: int = 1, blocksize
     whose blocks of `blocksize` have scales of `scale_bytes` (1: nested 8-bit codes; 4: float32 absmax):
     of 2, 4, 8 and 16 (slices of 256 or more), the one the cost model charges least
     (docs/small-batch.md). Per output column:
-    - A: a tile of 16 S columns reads A's M rows once over its S slices, M x K x itemsize bytes;
+    - A: a tile of 16 S columns reads A's M rows once over its S slices, M x K x itemsize bytes, and
+      where rows are cut where their own lines begin (K % 256 != 0, P rows to a repeat of their phases,
+      P dividing S: gemm_4bit_splitk.h), each slice after the first widened by the largest phase;
     - partial sums: 2 S - 1 of 4 bytes per row of A (S written, S - 1 read back by the threadgroup
       that adds them);
     - scales: the 128-byte lines of scales each slice's threadgroup touches (`_scale_lines`);
     - the output: a tile writes a row's 16 S columns as whole lines (a tile narrower than a line
-      writes a line's worth: 32 columns of float16).
+      writes a line's worth: 32 columns of float16);
+    - the weight: where P does not divide S, every cut inside a row's line makes two threadgroups read
+      that line (in all rows but one of every P).
     1 where K < 512 (no split)."""
     best, best_cost = 1, None
+    rest = K % _SPLITK_ALIGN
+    period = 1 if rest == 0 else _SPLITK_ALIGN // (rest & -rest)
     for S in (2, 4, 8, 16):
         if K < S * _SPLITK_ALIGN:
             break
         width = _SMALL_ROWS_PER_TG * S
+        span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
+        cuts = -(-K // span) - 1  # between slices that are not empty
+        phased = period > 1 and S % period == 0
+        a_cols = K + (cuts * (_SPLITK_ALIGN - _SPLITK_ALIGN // period) if phased else 0)
+        shared = 0 if phased else cuts * 128 * (1 - 1 / period)
         out = -(-width * itemsize // 128) * 128 / width
-        cost = M * (K * itemsize / width + 4 * (2 * S - 1) + out) + _scale_lines(K, S, scale_bytes, blocksize)
+        cost = (M * (a_cols * itemsize / width + 4 * (2 * S - 1) + out) + _scale_lines(K, S, scale_bytes, blocksize)
+                + shared)  # fmt: skip
         if best_cost is None or cost < best_cost:
             best, best_cost = S, cost
     return best

@@ -44,7 +44,8 @@
 // The sums of one group of 4 x SIMDS weight rows over K in [k_begin, k_end) for rows 0..mcount of A,
 // as the steps above describe: this lane's weight row starts at `base` (row * K); on return v[i] holds
 // row i's sum (the same in the 8 lanes of a weight row) for i < mcount. Every thread of the
-// threadgroup calls it with the same k_begin, k_end and mcount (it has barriers); k_begin % 128 == 0.
+// threadgroup calls it with the same k_begin, k_end and mcount (it has barriers); k_begin % 16 == 0
+// (a lane's 16 nibbles: one 8-byte load, within one block).
 template <typename T, bool NESTED, uint SIMDS>
 inline void bnb_small_sums(device const T* A, device const uchar* B, device const float* absmax,
                            device const uchar* absmax_8bit, device const float* absmax_code, constant float* lut,

@@ -35,9 +35,21 @@
 // columns of the tile (S groups; A's slice is staged again per group, lines the threadgroup has
 // already read).
 //
+// Slices and lines. A weight row is K / 2 bytes, and a 128-byte line holds 256 of its weights; the
+// slices are ceil(K / (256 S)) x 256 long (the last ones may be shorter, or empty: their partial sums
+// are 0). Where K % 256 == 0 every row starts on a line, so slices cut no line: no line of the packed
+// weight is read by two threadgroups. Otherwise row n starts phase(n) = (n K) % 256 weights into a line,
+// and phase(n) repeats every P rows (P = 256 / the lowest set bit of K % 256: 2 where K % 256 == 128, 4
+// where it is 64 or 192, up to 16). Where P divides S, each row is cut where its own lines begin:
+// slice j of row n runs from j x span - phase(n) to (j + 1) x span - phase(n) (the first from 0, the
+// last to K), and each group of 16 rows of a tile takes rows of one phase (rows c, c + P, c + 2 P, ...
+// of the tile), so that the group's rows share one range of K and one staging of A, shifted by the
+// phase: again no line of the weight is read by two threadgroups, for A's slice widened by up to
+// 256 - 256 / P columns over the tile's groups. Where P does not divide S (K % 256 == 16, say) the
+// slices cut every row at the same K, and the lines they cut are read by two threadgroups.
+//
 // Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32,
-// 1 <= S <= 31 (the op layer takes 2, 4, 8 or 16) and 1 <= tag < 2^27; the slices are
-// ceil(K / (256 S)) x 256 long (the last ones may be shorter, or empty: their partial sums are 0).
+// 1 <= S <= 31 (the op layer takes 2, 4, 8 or 16) and 1 <= tag < 2^27.
 #pragma once
 
 #include "gemm_4bit_small.h"
@@ -107,18 +119,29 @@ template <typename T, bool NESTED>
     const uint q = lane % BNB_SMALL_LANES;
     const uint tile = tg.x;
     const uint slice = tg.y;
-    // K per slice, a multiple of 256, so that no line of the packed weight is read by two slices
+    // K per slice, a multiple of 256 (see "Slices and lines" above)
     const uint span = (K + BNB_SPLITK_ALIGN * S - 1u) / (BNB_SPLITK_ALIGN * S) * BNB_SPLITK_ALIGN;
-    const uint k_begin = min(K, slice * span);
-    const uint k_end = min(K, k_begin + span);
+    // P, the rows after which a row's phase in its line repeats; 1 (no phases) where P does not divide S
+    const uint rest = K % BNB_SPLITK_ALIGN;
+    const uint period = rest == 0u ? 1u : BNB_SPLITK_ALIGN / (rest & (0u - rest));
+    const uint P = S % period == 0u ? period : 1u;
     // This threadgroup's slot: [mcount][cols] float32 partial sums.
     BNB_DEVICE_COHERENT device float* slot = work + (tile * S + slice) * (mcount * cols);
 
     for (uint g = 0; g < S; ++g) {
-        const uint col = g * GROUP + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES;  // in the tile
+        // Group g holds the tile's rows of phase class c = g % P: rows (16 (g / P) + p) P + c, p < 16.
+        const uint c = g % P;
+        const uint col = (GROUP * (g / P) + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES) * P + c;  // in the tile
         const uint row = tile * cols + col;  // weight row = output column
-        // Rows past N read row N - 1 (never stored), so that every lane takes the same path.
-        const uint base = min(row, N - 1u) * K;
+        // Rows past N read a row of theirs' phase below N, or row N - 1 (never stored), so that every lane
+        // takes the same path over lines the tile reads anyway.
+        const uint back = row < N ? 0u : (row - (N - 1u) + P - 1u) / P * P;
+        const uint base = (back <= row ? row - back : N - 1u) * K;
+        // The group's range of K: the slice's, moved back by the phase of its rows (0 where P = 1;
+        // tile * cols is a multiple of 16 S and so of P), so that it starts on a line of each row.
+        const uint phase = P == 1u ? 0u : (c * K) % BNB_SPLITK_ALIGN;
+        const uint k_begin = slice == 0u ? 0u : min(K, slice * span - phase);
+        const uint k_end = slice + 1u == S ? K : min(K, (slice + 1u) * span - phase);
         float v[BNB_SMALL_M];
         bnb_small_sums<T, NESTED, SIMDS>(A, B, absmax, absmax_8bit, absmax_code, lut, offset, lda, block_shift,
                                          mcount, base, k_begin, k_end, a_tile, tid, q, v);
