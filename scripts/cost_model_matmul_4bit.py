@@ -82,7 +82,8 @@ def profile(N: int, K: int, M: int, dtype: torch.dtype, path: Optional[str] = No
         else:
             matmul_4bit.gemm_4bit(rec, *args, route=path)
     ps = rec.profiles
-    return Figures(path or matmul_4bit.choose_path(M, N, K), M, tuple(rec.launched),
+    built_in = matmul_4bit.choose_path(M, N, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE)
+    return Figures(path or built_in, M, tuple(rec.launched),
                    sum(p.threadgroups for p in ps), sum(p.traffic_bytes for p in ps),
                    sum(p.buffers[A_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
                    sum(p.buffers[B_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
@@ -218,12 +219,12 @@ DEFAULT_SHAPES = "3072x1024,1024x3072,4096x4096"
 DEFAULT_M = "1,2,3,4,5,6,8,12,16,24,32,48,64"
 
 
-def routes(M: int, N: int, K: int) -> list[str]:
+def routes(M: int, N: int, K: int, dtype: torch.dtype = torch.float16, nested: bool = True) -> list[str]:
     """The kernel routes of a call (bnb_mps.ops.matmul_4bit.paths), the built-in one first, without
     gemv/tglut (the gemv kernel's traffic: only the table's address space differs)."""
     from bnb_mps.ops import matmul_4bit
 
-    return [p for p in matmul_4bit.paths(M, N, K) if p != "gemv/tglut"]
+    return [p for p in matmul_4bit.paths(M, N, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE) if p != "gemv/tglut"]
 
 
 def table(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out=sys.stdout,
@@ -251,7 +252,7 @@ def table(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out=
                          f"{half / base.threadgroups:.2f}"]  # fmt: skip
                 cells += [f"{b / (gbps[c] * 1e9) * 1e6:.1f}" for c in CHIPS]
                 print(" | ".join(cells), file=out)
-            for i, path in enumerate(routes(M, N, K)):
+            for i, path in enumerate(routes(M, N, K, dtype, nested)):
                 f = profile(N, K, M, dtype, None if i == 0 else path, nested)
                 rows.append(f)
                 cells = [str(M), path + (" *" if i == 0 else ""), f"{f.traffic / 1e6:.3f}",

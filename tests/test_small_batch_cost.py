@@ -103,6 +103,36 @@ def test_the_built_in_route_models_the_least_traffic(profiler):
     assert small.path == "small" and small.kernels == ("bnb_gemm_4bit_small_nested_f16",)
 
 
+# (N, K, nested, buckets of M): 1040 = 4 x 256 + 16, rows 16 phases apart in their lines, so the split-K kernel's
+# cuts share lines; 1152 with float32 absmax, which every slice reads again; 1024, rows of whole lines
+ROUTE_CASES = [(1024, 1040, True, ((2,), (3, 4), (5, 6, 7, 8))), (1024, 1152, False, ((2,), (3, 4))),
+               (1024, 1024, False, ((2,),))]
+
+
+def test_the_built_in_route_is_the_small_or_split_k_kernel_whichever_models_less_over_the_bucket(profiler):
+    """`choose_path` for 2 <= M <= 32 from K = 512: of the split-K and small kernels (both half the gemv
+    kernel's threadgroups), the one whose modelled traffic, summed over the M of the tuning bucket, is
+    less; every M of a bucket has that route. The small kernel where the split-K kernel's cuts share weight
+    lines or its slices re-read float32 absmax, at M = 2 to 4; the split-K kernel beyond, and wherever
+    rows are whole lines with nested scales (test_small_batch_targets)."""
+    from bnb_mps.ops import candidates
+
+    seen = set()
+    for N, K, nested, buckets in ROUTE_CASES:
+        for bucket in buckets:
+            assert {candidates.m_bucket(M) for M in bucket} == {candidates.m_bucket(bucket[-1])}
+            charged = {route: sum(cm.profile(N, K, M, torch.float16, route, nested).traffic for M in bucket)
+                       for route in ("small", "splitk")}  # fmt: skip
+            built_in = [cm.profile(N, K, M, torch.float16, nested=nested) for M in bucket]
+            want = min(charged, key=charged.get)
+            kernel = f"bnb_gemm_4bit_{want}_{'nested' if nested else 'absmax'}_f16"
+            assert {f.path for f in built_in} == {want} and {f.kernels for f in built_in} == {(kernel,)}, \
+                (N, K, nested, bucket, charged)
+            assert sum(f.traffic for f in built_in) == charged[want]
+            seen.add(want)
+    assert seen == {"small", "splitk"}
+
+
 def test_the_bound_charges_each_threadgroup_a_scale_line_share_per_weight_row(profiler, monkeypatch):
     """K = 4096: a weight row's 64 scale bytes are half a 128-byte line, so a threadgroup that touches a
     row reads at least 64 bytes of scales for it (`scale_line_share`), whatever slice of K it takes. The

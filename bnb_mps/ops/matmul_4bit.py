@@ -162,9 +162,9 @@ _ROWS_PER_TG = 8  # weight rows per threadgroup in the gemv / batch kernels
 _BATCH_M = 8  # rows of A per threadgroup in the batch kernel
 _SMALL_ROWS_PER_TG = 16  # weight rows per threadgroup in the small kernel (all M rows of A)
 _SPLITK_ALIGN = 256  # the split-K kernel's slices of K start at multiples of this
-# The split-K kernel is the built-in path for 2 <= M <= 32 from this K on (two slices of 256 at least,
-# and less modelled traffic than the small kernel's from there: docs/small-batch.md), and a route
-# from there.
+# The split-K kernel is a route for 2 <= M <= 32 from this K on (two slices of 256 at least), and the
+# built-in path there where it models less traffic than the small kernel (`choose_path`:
+# docs/small-batch.md).
 SPLITK_MIN_K = 2 * _SPLITK_ALIGN
 _MMA_BM, _MMA_BN = 32, 64  # output tile of the mma kernel (rows of A x rows of W)
 
@@ -173,52 +173,86 @@ _OFFSET_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FLAG_BIAS, _FLAG_AVEC = 1, 2
 
 
-def choose_path(M: int, N: int, K: int) -> str:
+def choose_path(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1, blocksize: int = 64) -> str:
     """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "splitk", "small", "batch" or
-    "mma" (shapes only)."""
+    "mma" (from the shapes, A's element size and the weight's scales: `scale_bytes` a block of
+    `blocksize`, 1 for nested 8-bit codes, 4 for float32 absmax). For 2 <= M <= 32 from K = 512, the
+    one of the split-K and small kernels the cost model charges less, summed over the M of M's tuning
+    bucket (powers of two: every M of a bucket has the same built-in route): the split-K kernel but
+    where a row's cuts share lines (K % 256 != 0 with phases that do not divide S) or float32 absmax
+    is read by every slice, at M = 2 to 4 (docs/small-batch.md)."""
     if M <= GEMV_MAX_M and K % PATH_K_MULTIPLE["gemv"] == 0:
         return "gemv"
     if M <= SMALL_MAX_M and K % PATH_K_MULTIPLE["small"] == 0:
         if M == 1:
             return "batch"  # (M = 1 with K % 32 == 16: the gemv kernel's walk, 8 rows)
-        return "splitk" if K >= SPLITK_MIN_K else "small"
+        if K < SPLITK_MIN_K:
+            return "small"
+        top = 1 << (M - 1).bit_length()
+        bucket = range(max(2, top // 2 + 1), top + 1)
+        splitk = sum(min(_splitk_cost(m, K, itemsize, S, scale_bytes, blocksize) for S in _splits(K)) for m in bucket)
+        small = sum(_small_cost(m, K, itemsize, scale_bytes, blocksize) for m in bucket)
+        return "splitk" if splitk <= small else "small"
     return "mma"
 
 
 def splitk_splits(M: int, K: int, itemsize: int, scale_bytes: int = 1, blocksize: int = 64) -> int:
     """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`, on a weight
     whose blocks of `blocksize` have scales of `scale_bytes` (1: nested 8-bit codes; 4: float32 absmax):
-    of 2, 4, 8 and 16 (slices of 256 or more), the one the cost model charges least
-    (docs/small-batch.md). Per output column:
+    of 2, 4, 8 and 16 (slices of 256 or more), the one the cost model charges least (`_splitk_cost`,
+    docs/small-batch.md). 1 where K < 512 (no split)."""
+    splits = _splits(K)
+    if not splits:
+        return 1
+    return min(splits, key=lambda S: _splitk_cost(M, K, itemsize, S, scale_bytes, blocksize))
+
+
+def _splits(K: int) -> tuple[int, ...]:
+    """The S the split-K kernel may take for K: 2, 4, 8, 16, slices of 256 or more."""
+    return tuple(S for S in (2, 4, 8, 16) if K >= S * _SPLITK_ALIGN)
+
+
+def _phases(K: int) -> int:
+    """P: weight row n starts (n K) % 256 weights into a 128-byte line, a phase that repeats every P
+    rows (1 where K % 256 == 0; 256 / the lowest set bit of K % 256 otherwise)."""
+    rest = K % _SPLITK_ALIGN
+    return 1 if rest == 0 else _SPLITK_ALIGN // (rest & -rest)
+
+
+def _splitk_cost(M: int, K: int, itemsize: int, S: int, scale_bytes: int, blocksize: int) -> float:
+    """The split-K kernel's modelled traffic per output column (weight row) but for the weight's own
+    bytes and what every kernel with ceil(N / 16) threadgroups pays alike (the nested code table):
     - A: a tile of 16 S columns reads A's M rows once over its S slices, M x K x itemsize bytes, and
-      where rows are cut where their own lines begin (K % 256 != 0, P rows to a repeat of their phases,
-      P dividing S: gemm_4bit_splitk.h), each slice after the first widened by the largest phase;
+      where rows are cut where their own lines begin (P dividing S: gemm_4bit_splitk.h), each slice
+      after the first widened by the largest phase;
     - partial sums: 2 S - 1 of 4 bytes per row of A (S written, S - 1 read back by the threadgroup
       that adds them);
-    - scales: the 128-byte lines of scales each slice's threadgroup touches (`_scale_lines`);
     - the output: a tile writes a row's 16 S columns as whole lines (a tile narrower than a line
       writes a line's worth: 32 columns of float16);
-    - the weight: where P does not divide S, every cut inside a row's line makes two threadgroups read
-      that line (in all rows but one of every P).
-    1 where K < 512 (no split)."""
-    best, best_cost = 1, None
-    rest = K % _SPLITK_ALIGN
-    period = 1 if rest == 0 else _SPLITK_ALIGN // (rest & -rest)
-    for S in (2, 4, 8, 16):
-        if K < S * _SPLITK_ALIGN:
-            break
-        width = _SMALL_ROWS_PER_TG * S
-        span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
-        cuts = -(-K // span) - 1  # between slices that are not empty
-        phased = period > 1 and S % period == 0
-        a_cols = K + (cuts * (_SPLITK_ALIGN - _SPLITK_ALIGN // period) if phased else 0)
-        shared = 0 if phased else cuts * 128 * (1 - 1 / period)
-        out = -(-width * itemsize // 128) * 128 / width
-        cost = (M * (a_cols * itemsize / width + 4 * (2 * S - 1) + out) + _scale_lines(K, S, scale_bytes, blocksize)
-                + shared)  # fmt: skip
-        if best_cost is None or cost < best_cost:
-            best, best_cost = S, cost
-    return best
+    - scales: the 128-byte lines of scales each slice's threadgroup touches (`_scale_lines`);
+    - the weight's lines read twice: where K % 256 != 0, the line that holds a row's end and the next
+      row's start (in all rows but one of every P), and where P does not divide S, every cut inside a
+      line; and the tile's counter, a line per threadgroup."""
+    width = _SMALL_ROWS_PER_TG * S
+    span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
+    cuts = -(-K // span) - 1  # between slices that are not empty
+    P = _phases(K)
+    phased = P > 1 and S % P == 0
+    a_cols = K + (cuts * (_SPLITK_ALIGN - _SPLITK_ALIGN // P) if phased else 0)
+    shared = 128 * (1 - 1 / P) * (1 + (0 if phased else cuts))
+    out = -(-width * itemsize // 128) * 128 / width
+    return (M * (a_cols * itemsize / width + 4 * (2 * S - 1) + out) + _scale_lines(K, S, scale_bytes, blocksize)
+            + shared + 128 / _SMALL_ROWS_PER_TG)  # fmt: skip
+
+
+def _small_cost(M: int, K: int, itemsize: int, scale_bytes: int, blocksize: int) -> float:
+    """The small kernel's, counted as `_splitk_cost` counts: A read whole by every threadgroup of 16
+    rows; a line of the output per row of A and threadgroup; the scales once, and a line of them and
+    (where K % 256 != 0) of the weight read by two threadgroups at each tile's end."""
+    width = _SMALL_ROWS_PER_TG
+    out = -(-width * itemsize // 128) * 128 / width
+    edge = 128 / width
+    return M * (K * itemsize / width + out) + K / blocksize * scale_bytes + edge * (2 - 1 / _phases(K))
 
 
 @functools.lru_cache(maxsize=256)
@@ -242,10 +276,11 @@ def _scale_lines(K: int, S: int, scale_bytes: int, blocksize: int, line: int = 1
     return touched * line / rows
 
 
-def paths(M: int, N: int, K: int) -> tuple[str, ...]:
+def paths(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1, blocksize: int = 64) -> tuple[str, ...]:
     """The kernel routes worth measuring for an [M, K] x [N, K]^T product, the built-in one
-    (`choose_path`) first. An empty product has only the built-in one."""
-    default = choose_path(M, N, K)
+    (`choose_path`, which also takes A's element size and the weight's scales) first. An empty product
+    has only the built-in one."""
+    default = choose_path(M, N, K, itemsize, scale_bytes, blocksize)
     if M == 0 or N == 0 or K == 0:
         return (default,)
     valid = [p for p, limit in (("gemv", GEMV_CANDIDATE_MAX_M), ("gemv/tglut", GEMV_CANDIDATE_MAX_M),
@@ -256,9 +291,15 @@ def paths(M: int, N: int, K: int) -> tuple[str, ...]:
     return (default, *(p for p in valid if p != default))
 
 
-def _matmul_paths(A, B, shapeB, *rest) -> tuple[str, ...]:
-    """`paths` of a call (its arguments in schema order)."""
-    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1])
+def _gemm_paths(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, *rest) -> tuple[str, ...]:
+    """`paths` of a gemm_4bit call (its arguments in schema order)."""
+    scales = 1 if absmax_8bit is not None else absmax.element_size()
+    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1], A.element_size(), scales, blocksize)
+
+
+def _gemv_paths(A, B, shapeB, absmax, code, blocksize, *rest) -> tuple[str, ...]:
+    """`paths` of a gemv_4bit call (float32 absmax, no nested scales)."""
+    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1], A.element_size(), absmax.element_size(), blocksize)
 
 
 def _rows_copy(A: torch.Tensor) -> torch.Tensor:
@@ -299,7 +340,8 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     absmax_offset) or None."""
     N, K = shapeB
     M = math.prod(A.shape[:-1])
-    path = choose_path(M, N, K) if route is None else route
+    scale_bytes = 1 if nested is not None else absmax.element_size()  # (a block's scale: a code, or a float32)
+    path = choose_path(M, N, K, A.element_size(), scale_bytes, blocksize) if route is None else route
     if path not in PATH_K_MULTIPLE or K % PATH_K_MULTIPLE[path]:
         raise ValueError(f"{b.op}: route {path!r} cannot compute a product with K = {K} (routes: "
                          f"{', '.join(f'{p} (K % {k} == 0)' for p, k in PATH_K_MULTIPLE.items())})")
@@ -343,7 +385,7 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
         grid, threads = (math.ceil(N / rows), 1, 1), (8 * rows, 1, 1)
     elif path == "splitk":
         name = f"bnb_gemm_4bit_splitk_{sc}_{dt}"
-        S = splitk_splits(M, K, A.element_size(), 1 if nested is not None else absmax.element_size(), blocksize)
+        S = splitk_splits(M, K, A.element_size(), scale_bytes, blocksize)
         tiles = math.ceil(N / (_SMALL_ROWS_PER_TG * S))
         grid, threads = (tiles, S, 1), (128, 1, 1)
         partials = tiles * S * M * _SMALL_ROWS_PER_TG * S
@@ -399,7 +441,7 @@ def _call_tag(args, base) -> tuple:
     return (uint32(workspace.next_tag()),)
 
 
-@planner("gemm_4bit", paths=_matmul_paths, dynamic=_call_tag)
+@planner("gemm_4bit", paths=_gemm_paths, dynamic=_call_tag)
 def plan_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
                    absmax_offset=None, *, route: Optional[str] = None) -> Plan:  # fmt: skip
     b = PlanBuilder(A.device, "gemm_4bit")
@@ -411,7 +453,7 @@ def plan_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absma
     return b.build(result=out, finish=finish)
 
 
-@planner("gemv_4bit", paths=_matmul_paths, dynamic=_call_tag)
+@planner("gemv_4bit", paths=_gemv_paths, dynamic=_call_tag)
 def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize, *, route: Optional[str] = None) -> Plan:
     b = PlanBuilder(A.device, "gemv_4bit")
     out = _output(b, A, shapeB)
@@ -419,7 +461,7 @@ def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize, *, route: Optional[str
     return b.build(result=out, finish=_empty_sum(_first_output, None) if shapeB[1] == 0 else None)
 
 
-@planner("gemv_4bit.out", paths=_matmul_paths, dynamic=_call_tag)
+@planner("gemv_4bit.out", paths=_gemv_paths, dynamic=_call_tag)
 def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out, *, route: Optional[str] = None) -> Plan:
     b = PlanBuilder(A.device, "gemv_4bit.out")
     N, K = shapeB
