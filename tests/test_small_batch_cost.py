@@ -87,8 +87,9 @@ def test_small_batch_targets_every_m(profiler, shape, dtype):
 
 
 def test_the_built_in_route_models_the_least_traffic(profiler):
-    """Why the built-in route for 2 <= M <= 32 is the split-K kernel from K = 512 (docs/tuning.md): of the
-    routes with at least half the M = 1 call's threadgroups it models the least traffic; the mma kernel,
+    """Why the built-in route for 2 <= M <= 32 is the split-K kernel from K = 512 where rows are whole lines
+    and the scales nested (docs/tuning.md): of the routes with at least half the M = 1 call's threadgroups it
+    models the least traffic; the mma kernel,
     which models less at large M, has an eighth of them. Below K = 512 the small kernel, as before."""
     one = cm.profile(1024, 1024, 1, torch.float16)
     for M in (2, 8, 32):
