@@ -75,7 +75,8 @@ def test_split_k_gives_the_same_bits_every_time(executor, dtype):
     from bnb_mps.ops import workspace
 
     workspace.release()  # (only this test's buffers below: other tests leave theirs, on other devices too)
-    for M, N, K in ((5, 4096, 4096), (32, 11008, 4096), (13, 1000, 1040)):
+    # (2880: rows cut where their own lines begin, a group of each tile per phase; 1000 columns: a partial tile)
+    for M, N, K in ((5, 4096, 4096), (32, 11008, 4096), (13, 1000, 1040), (8, 1000, 2880)):
         case = Case(M, N, K, dtype=dtype, nested=True, bias=True, seed=M + K)
         assert matmul_4bit.choose_path(M, N, K) == "splitk"
         A, args, W, bias = gemm_args(case, "mps")
