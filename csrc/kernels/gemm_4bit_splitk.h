@@ -44,8 +44,9 @@
 // slice j of row n runs from j x span - phase(n) to (j + 1) x span - phase(n) (the first from 0, the
 // last to K), and each group of 16 rows of a tile takes rows of one phase (rows c, c + P, c + 2 P, ...
 // of the tile), so that the group's rows share one range of K and one staging of A, shifted by the
-// phase: again no line of the weight is read by two threadgroups, for A's slice widened by up to
-// 256 - 256 / P columns over the tile's groups. Where P does not divide S (K % 256 == 16, say) the
+// phase: no line of the weight is then read by two threadgroups but the one that holds a row's end
+// and the next row's start (the last slice of the one, the first of the other), for A's slice widened
+// by up to 256 - 256 / P columns over the tile's groups. Where P does not divide S (K % 256 == 16, say) the
 // slices cut every row at the same K, and the lines they cut are read by two threadgroups.
 //
 // Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32,
@@ -133,7 +134,7 @@ template <typename T, bool NESTED>
         const uint c = g % P;
         const uint col = (GROUP * (g / P) + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES) * P + c;  // in the tile
         const uint row = tile * cols + col;  // weight row = output column
-        // Rows past N read a row of theirs' phase below N, or row N - 1 (never stored), so that every lane
+        // Rows past N read a row of their phase below N, or row N - 1 (never stored), so that every lane
         // takes the same path over lines the tile reads anyway.
         const uint back = row < N ? 0u : (row - (N - 1u) + P - 1u) / P * P;
         const uint base = (back <= row ? row - back : N - 1u) * K;
