@@ -171,7 +171,7 @@ def slice_scale_lines(N: int, K: int, splits: int, scale_bytes: int, rows: int =
     threadgroups: threadgroup (tile t, slice j) takes rows t x rows x S up to the next tile and, of each,
     K from j x span to (j + 1) x span (span = ceil(K / (256 S)) x 256, the kernel's slices); element k of
     row n is in block (n K + k) / 64, whose scale is `scale_bytes` bytes at scale_bytes x block."""
-    from bnb_mps.ops.matmul_4bit import _SPLITK_ALIGN as align  # (slices start at multiples of it in K)
+    from bnb_mps.ops.small_batch import _SPLITK_ALIGN as align  # (slices start at multiples of it in K)
 
     span = -(-K // (align * splits)) * align
     n = torch.arange(N, dtype=torch.int64)

@@ -4,7 +4,6 @@ kernel launchers (csrc/kernels/gemm_4bit.metal).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Optional
@@ -12,12 +11,14 @@ from typing import Optional
 import torch
 
 from ..kernel_args import uint32
+from . import small_batch
 from . import validation as v
 from . import workspace
 from .fourbit import dequantize_4bit_cpu, packed_bytes
 from .launch import DTYPE_NAMES, VECTOR_ALIGN, aligned_arg, check_size, flat_arg, is_aligned, out_arg
 from .plan import Plan, PlanBuilder
 from .registry import checks, composite, kernel_of, planner
+from .small_batch import _SMALL_ROWS_PER_TG, _SPLITK_ALIGN, splitk_splits
 
 # What bitsandbytes' gemv/gemm schemas accept for B (read as bytes).
 GEMM_STORAGE_DTYPES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
@@ -160,8 +161,6 @@ BATCH_CANDIDATE_MAX_M = 32
 
 _ROWS_PER_TG = 8  # weight rows per threadgroup in the gemv / batch kernels
 _BATCH_M = 8  # rows of A per threadgroup in the batch kernel
-_SMALL_ROWS_PER_TG = 16  # weight rows per threadgroup in the small kernel (all M rows of A)
-_SPLITK_ALIGN = 256  # the split-K kernel's slices of K start at multiples of this
 # The split-K kernel is a route for 2 <= M <= 32 from this K on (two slices of 256 at least), and the
 # built-in path there where it models less traffic than the small kernel (`choose_path`:
 # docs/small-batch.md).
@@ -188,92 +187,8 @@ def choose_path(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1,
             return "batch"  # (M = 1 with K % 32 == 16: the gemv kernel's walk, 8 rows)
         if K < SPLITK_MIN_K:
             return "small"
-        top = 1 << (M - 1).bit_length()
-        bucket = range(max(2, top // 2 + 1), top + 1)
-        splitk = sum(min(_splitk_cost(m, K, itemsize, S, scale_bytes, blocksize) for S in _splits(K)) for m in bucket)
-        small = sum(_small_cost(m, K, itemsize, scale_bytes, blocksize) for m in bucket)
-        return "splitk" if splitk <= small else "small"
+        return small_batch.built_in(M, K, itemsize, scale_bytes, blocksize)
     return "mma"
-
-
-def splitk_splits(M: int, K: int, itemsize: int, scale_bytes: int = 1, blocksize: int = 64) -> int:
-    """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`, on a weight
-    whose blocks of `blocksize` have scales of `scale_bytes` (1: nested 8-bit codes; 4: float32 absmax):
-    of 2, 4, 8 and 16 (slices of 256 or more), the one the cost model charges least (`_splitk_cost`,
-    docs/small-batch.md). 1 where K < 512 (no split)."""
-    splits = _splits(K)
-    if not splits:
-        return 1
-    return min(splits, key=lambda S: _splitk_cost(M, K, itemsize, S, scale_bytes, blocksize))
-
-
-def _splits(K: int) -> tuple[int, ...]:
-    """The S the split-K kernel may take for K: 2, 4, 8, 16, slices of 256 or more."""
-    return tuple(S for S in (2, 4, 8, 16) if K >= S * _SPLITK_ALIGN)
-
-
-def _phases(K: int) -> int:
-    """P: weight row n starts (n K) % 256 weights into a 128-byte line, a phase that repeats every P
-    rows (1 where K % 256 == 0; 256 / the lowest set bit of K % 256 otherwise)."""
-    rest = K % _SPLITK_ALIGN
-    return 1 if rest == 0 else _SPLITK_ALIGN // (rest & -rest)
-
-
-def _splitk_cost(M: int, K: int, itemsize: int, S: int, scale_bytes: int, blocksize: int) -> float:
-    """The split-K kernel's modelled traffic per output column (weight row) but for the weight's own
-    bytes and what every kernel with ceil(N / 16) threadgroups pays alike (the nested code table):
-    - A: a tile of 16 S columns reads A's M rows once over its S slices, M x K x itemsize bytes, and
-      where rows are cut where their own lines begin (P dividing S: gemm_4bit_splitk.h), each slice
-      after the first widened by the largest phase;
-    - partial sums: 2 S - 1 of 4 bytes per row of A (S written, S - 1 read back by the threadgroup
-      that adds them);
-    - the output: a tile writes a row's 16 S columns as whole lines (a tile narrower than a line
-      writes a line's worth: 32 columns of float16);
-    - scales: the 128-byte lines of scales each slice's threadgroup touches (`_scale_lines`);
-    - the weight's lines read twice: where K % 256 != 0, the line that holds a row's end and the next
-      row's start (in all rows but one of every P), and where P does not divide S, every cut inside a
-      line; and the tile's counter, a line per threadgroup."""
-    width = _SMALL_ROWS_PER_TG * S
-    span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
-    cuts = -(-K // span) - 1  # between slices that are not empty
-    P = _phases(K)
-    phased = P > 1 and S % P == 0
-    a_cols = K + (cuts * (_SPLITK_ALIGN - _SPLITK_ALIGN // P) if phased else 0)
-    shared = 128 * (1 - 1 / P) * (1 + (0 if phased else cuts))
-    out = -(-width * itemsize // 128) * 128 / width
-    return (M * (a_cols * itemsize / width + 4 * (2 * S - 1) + out) + _scale_lines(K, S, scale_bytes, blocksize)
-            + shared + 128 / _SMALL_ROWS_PER_TG)  # fmt: skip
-
-
-def _small_cost(M: int, K: int, itemsize: int, scale_bytes: int, blocksize: int) -> float:
-    """The small kernel's, counted as `_splitk_cost` counts: A read whole by every threadgroup of 16
-    rows; a line of the output per row of A and threadgroup; the scales once, and a line of them and
-    (where K % 256 != 0) of the weight read by two threadgroups at each tile's end."""
-    width = _SMALL_ROWS_PER_TG
-    out = -(-width * itemsize // 128) * 128 / width
-    edge = 128 / width
-    return M * (K * itemsize / width + out) + K / blocksize * scale_bytes + edge * (2 - 1 / _phases(K))
-
-
-@functools.lru_cache(maxsize=256)
-def _scale_lines(K: int, S: int, scale_bytes: int, blocksize: int, line: int = 128) -> float:
-    """The bytes of scale lines the split-K kernel's threadgroups touch per weight row: a tile's 16 S rows
-    (the first tile's, from a line boundary) cut into slices of ceil(K / (256 S)) x 256; the slice of
-    row n from k0 to k1 takes the scales of blocks (n K + k0) / blocksize to (n K + k1 - 1) /
-    blocksize, `scale_bytes` each; every threadgroup touches the lines its rows' pieces meet. While a
-    line holds several rows' scales, each slice touches all of them (the scales S times); where a row's
-    scales span lines, about once plus a line per slice."""
-    rows = _SMALL_ROWS_PER_TG * S
-    span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
-    touched = 0
-    for k0 in range(0, K, span):
-        k1 = min(k0 + span, K)
-        lines = set()
-        for n in range(rows):
-            first, last = (n * K + k0) // blocksize * scale_bytes, ((n * K + k1 - 1) // blocksize + 1) * scale_bytes
-            lines.update(range(first // line, (last - 1) // line + 1))
-        touched += len(lines)
-    return touched * line / rows
 
 
 def paths(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1, blocksize: int = 64) -> tuple[str, ...]:
