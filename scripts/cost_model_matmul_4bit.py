@@ -192,11 +192,11 @@ def counts(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out
            nested: bool = True) -> None:
     """Prints, per shape and M, `shape_count` for each S (with and without the code table's lines) against
     the M = 1 call's traffic, beside the split-K kernel's own figure (its S: splitk_splits)."""
-    from bnb_mps.ops import matmul_4bit
+    from bnb_mps.ops import small_batch
 
     for N, K in shapes:
         base = profile(N, K, 1, dtype, nested=nested)
-        choices = [S for S in (2, 4, 8, 16) if K >= S * matmul_4bit._SPLITK_ALIGN]
+        choices = small_batch.splits(K)
         print(f"\n{N}x{K}, {str(dtype).removeprefix('torch.')}: the split-K shape's count against the M = 1 call's "
               f"traffic ({base.traffic / 1e6:.3f} MB), without / with the code table's lines", file=out)
         head = ["M", *(f"S = {S}" for S in choices), "split-K kernel (S)"]
@@ -208,7 +208,7 @@ def counts(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out
                 a, b = (shape_count(N, K, M, dtype, S, tables, nested=nested) / base.traffic for tables in (False, True))
                 cells.append(f"{a:.3f} / {b:.3f}")
             f = profile(N, K, M, dtype, "splitk", nested)
-            S = matmul_4bit.splitk_splits(M, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE)
+            S = small_batch.splitk_splits(M, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE)
             cells.append(f"{f.traffic / base.traffic:.3f} ({S})")
             print(" | ".join(cells), file=out, flush=True)
 

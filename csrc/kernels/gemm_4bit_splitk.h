@@ -46,8 +46,8 @@
 // of the tile), so that the group's rows share one range of K and one staging of A, shifted by the
 // phase: no line of the weight is then read by two threadgroups but the one that holds a row's end
 // and the next row's start (the last slice of the one, the first of the other), for A's slice widened
-// by up to 256 - 256 / P columns over the tile's groups. Where P does not divide S (K % 256 == 16, say) the
-// slices cut every row at the same K, and the lines they cut are read by two threadgroups.
+// by up to 256 - 256 / P columns over the tile's groups. Where P does not divide S (K % 256 == 16,
+// say) the slices cut every row at the same K, and the lines they cut are read by two threadgroups.
 //
 // Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32,
 // 1 <= S <= 31 (the op layer takes 2, 4, 8 or 16) and 1 <= tag < 2^27.
@@ -132,7 +132,7 @@ template <typename T, bool NESTED>
     for (uint g = 0; g < S; ++g) {
         // Group g holds the tile's rows of phase class c = g % P: rows (16 (g / P) + p) P + c, p < 16.
         const uint c = g % P;
-        const uint col = (GROUP * (g / P) + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES) * P + c;  // in the tile
+        const uint col = (GROUP * (g / P) + sg * BNB_SMALL_ROWS + lane / BNB_SMALL_LANES) * P + c;  // (in the tile)
         const uint row = tile * cols + col;  // weight row = output column
         // Rows past N read a row of their phase below N, or row N - 1 (never stored), so that every lane
         // takes the same path over lines the tile reads anyway.
