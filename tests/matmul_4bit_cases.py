@@ -98,3 +98,12 @@ def gemm_args(case: Case, device="cpu"):
         args = [A, packed, [case.N, case.K], absmax, case.blocksize, case.quant_type, bias, None, None, None]
     args = [a.to(device) if isinstance(a, torch.Tensor) and a is not A else a for a in args]
     return A, args, W, bias
+
+
+def splitk_slices_per_tile(N: int, S: int) -> list[int]:
+    """The split-K kernel's threadgroups for each tile of 16 S of N columns, as gemm_4bit_splitk.h says
+    ("The last tile"): S, and for a last tile of g groups of 16 columns the least power of two not below g."""
+    tiles = -(-N // (16 * S))
+    groups = -(-(N - (tiles - 1) * 16 * S) // 16)
+    last = next(s for s in (1, 2, 4, 8, 16) if s >= groups)
+    return [S] * (tiles - 1) + [last]

@@ -53,9 +53,10 @@ PATH_SHAPES = {
     "small": ((20, 21, 400), "bnb_gemm_4bit_small"),  # 400 = 3 * 128 + 16: a last step of 2 active lanes
     "small/wide": ((3, 13, 176), "bnb_gemm_4bit_small_wide"),
     # 1040 = 4 * 256 + 16: S = 4 slices of 512, 512, 16 and none (an empty slice adds zeros); 70 columns:
-    # two tiles of 64, the second partial
+    # two tiles of 64, the second of 6 columns, one threadgroup over all of K
     "splitk": ((13, 70, 1040), "bnb_gemm_4bit_splitk"),
-    "splitk-S8": ((16, 40, 4096), "bnb_gemm_4bit_splitk"),  # S = 8: eight groups of 16 columns per tile
+    # S = 8 in float32 (eight groups of 16 columns per tile), 4 otherwise; a last tile of 8 columns
+    "splitk-S8": ((16, 136, 4096), "bnb_gemm_4bit_splitk"),
     # 1984 = 7 * 256 + 192: rows 4 phases apart in their lines, each cut where its own lines begin, a
     # group per phase (S = 4), the last slice longer than the others; 50 columns: padding rows of each phase
     "splitk-phases": ((12, 50, 1984), "bnb_gemm_4bit_splitk"),
@@ -421,8 +422,8 @@ def test_small_routes_refuse_more_rows_than_they_hold():
 
 @pytest.mark.parametrize("M,kernel,grid,threads", [
     (1, "bnb_gemv_4bit_nested_bf16", (512, 1, 1), (64, 1, 1)),
-    (8, "bnb_gemm_4bit_splitk_nested_bf16", (64, 4, 1), (128, 1, 1)),  # S = 4: tiles of 64 columns
-    (32, "bnb_gemm_4bit_splitk_nested_bf16", (32, 8, 1), (128, 1, 1)),  # S = 8: tiles of 128
+    (8, "bnb_gemm_4bit_splitk_nested_bf16", (256, 1, 1), (128, 1, 1)),  # S = 4: 64 tiles of 64 columns
+    (32, "bnb_gemm_4bit_splitk_nested_bf16", (256, 1, 1), (128, 1, 1)),  # S = 8: 32 tiles of 128
     (512, "bnb_gemm_4bit_mma_nested_bf16", (16, 64, 1), (128, 1, 1)),
 ])  # fmt: skip
 def test_launch_geometry(M, kernel, grid, threads):

@@ -61,7 +61,7 @@ def test_the_goal_case_m8():
         assert rec.launched == ["bnb_gemm_4bit_splitk_nested_f16"]
         ((_, grid, _, _),) = rec.launches
         S, tiles = 4, 64
-        assert grid == (tiles, S, 1)
+        assert grid == (tiles * S, 1, 1)
         assert first.bytes == alloc.bytes + 4 * tiles * S * 8 * 16 * S + 4 * tiles
         _, _, third = run("gemm_4bit", nested_nf4_args(8, 2048, 4096, torch.float16), warm=False)  # (fewer tiles)
         assert third.bytes == 8 * 2048 * 2

@@ -14,7 +14,7 @@ import torch
 
 import reference_matmul_4bit as R
 import spec_reference as ref
-from matmul_4bit_cases import DT, Case, gemm_args
+from matmul_4bit_cases import DT, Case, gemm_args, splitk_slices_per_tile
 from bnb_mps import executors, ops
 from bnb_mps.ops import matmul_4bit
 
@@ -70,13 +70,14 @@ def test_split_k_gives_the_same_bits_every_time(executor, dtype):
     last of a tile to count adds the tile's partial sums. On the GPU, with threadgroups truly running at
     once, 30 calls of each shape alternating A and -A (so that a partial sum read before its slice wrote
     it, still holding the previous call's, gives another number) must each give the bits of the first
-    call with the same A, within the reference's bound, and leave each tile's counter with S counts
-    under the last call's tag (what the emulator shows with threadgroups in several orders)."""
+    call with the same A, within the reference's bound, and leave each tile's counter with its
+    threadgroups' count (S, or fewer for a last tile of fewer groups) under the last call's tag (what the emulator shows with threadgroups in several orders)."""
     from bnb_mps.ops import workspace
 
     workspace.release()  # (only this test's buffers below: other tests leave theirs, on other devices too)
-    # (2880: rows cut where their own lines begin, a group of each tile per phase; 1000 columns: a partial tile)
-    for M, N, K in ((5, 4096, 4096), (32, 11008, 4096), (13, 1000, 1040), (8, 1000, 2880)):
+    # (2880: rows cut where their own lines begin, a group of each tile per phase; 1000 columns: a partial
+    # tile; 1040 columns at S = 4: a last tile of 16, one threadgroup over all of K)
+    for M, N, K in ((5, 4096, 4096), (32, 11008, 4096), (13, 1000, 1040), (8, 1000, 2880), (8, 1040, 1024)):
         case = Case(M, N, K, dtype=dtype, nested=True, bias=True, seed=M + K)
         assert matmul_4bit.choose_path(M, N, K) == "splitk"
         A, args, W, bias = gemm_args(case, "mps")
@@ -90,8 +91,9 @@ def test_split_k_gives_the_same_bits_every_time(executor, dtype):
         (counters,) = [buf for key, buf in workspace._buffers.items()
                        if key[1] == "splitk counters" and key[0].type == "mps"]
         S = matmul_4bit.splitk_splits(M, K, dtype.itemsize)
-        c = counters[: -(-N // (16 * S))].cpu().long() & 0xFFFFFFFF
-        assert torch.all(c & 31 == S) and len(set((c >> 5).tolist())) == 1, (M, N, K, c)
+        slices = splitk_slices_per_tile(N, S)
+        c = counters[: len(slices)].cpu().long() & 0xFFFFFFFF
+        assert (c & 31).tolist() == slices and len(set((c >> 5).tolist())) == 1, (M, N, K, c)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

@@ -79,6 +79,19 @@ def test_small_batch_targets_where_rows_are_not_whole_lines(profiler, shape):
         assert f.traffic <= target * one.traffic, (M, f.traffic / one.traffic)
 
 
+@pytest.mark.parametrize("N", [1040, 1296])
+def test_small_batch_targets_where_the_last_tile_is_a_group(profiler, N):
+    """N = 64 t + 16 (at K = 1024, S = 4: tiles of 64 columns): the last tile holds one group of 16 rows and
+    takes one slice of all of K (gemm_4bit_splitk.h, "The last tile"), so the grid has ceil(N / 16)
+    threadgroups, exactly half the gemv kernel's, and both targets hold at M = 8 and 13 (four slices
+    there, each reading all of A's slice for 16 rows, gave 1.25x and more at M = 8)."""
+    one = cm.profile(N, 1024, 1, torch.float16)
+    for M, target in ((8, 1.25), (13, 1.6)):
+        f = cm.profile(N, 1024, M, torch.float16)
+        assert f.kernels == ("bnb_gemm_4bit_splitk_nested_f16",) and f.threadgroups == -(-N // 16) == -(-one.threadgroups // 2)
+        assert f.b_traffic == f.b_lines * 128 and f.traffic <= target * one.traffic, (M, f.traffic / one.traffic)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3072, 1024), (1024, 3072), (1024, 11008), (11008, 1024), (4096, 4096)], ids=str)

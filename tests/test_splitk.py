@@ -12,7 +12,7 @@ import torch
 
 import reference_matmul_4bit as R
 from kernel_harness import EmulatedExecutor
-from matmul_4bit_cases import Case, gemm_args
+from matmul_4bit_cases import Case, gemm_args, splitk_slices_per_tile
 from bnb_mps.ops import OPS, matmul_4bit, workspace
 from bnb_mps.ops.plan import BoundPlan
 
@@ -36,10 +36,12 @@ def _counters() -> torch.Tensor:
 COUNT_BITS = 5  # a counter: the call's tag above the count of its threadgroups (gemm_4bit_splitk.h)
 
 
-def _counted(counters: torch.Tensor, tiles: int, S: int) -> int:
-    """The one tag of the first `tiles` counters, each of which counted S threadgroups under it."""
-    c = counters[:tiles].view(torch.int32).long() & 0xFFFFFFFF
-    assert torch.all(c & ((1 << COUNT_BITS) - 1) == S), c
+def _counted(counters: torch.Tensor, N: int, S: int) -> int:
+    """The one tag of the counters of the tiles of N columns, each of which counted its threadgroups
+    (`splitk_slices_per_tile`) under it."""
+    slices = splitk_slices_per_tile(N, S)
+    c = counters[:len(slices)].view(torch.int32).long() & 0xFFFFFFFF
+    assert (c & ((1 << COUNT_BITS) - 1)).tolist() == slices, (c, slices)
     tags = set((c >> COUNT_BITS).tolist())
     assert len(tags) == 1 and 0 not in tags, tags
     return tags.pop()
@@ -51,11 +53,12 @@ def _run(ex, case: Case, route=None):
     return y, R.check_accuracy(y.reshape(-1, case.N), A.reshape(-1, case.K), W, bias)
 
 
-# (2064: a short last slice; 11008 float32 at 16 rows: S = 16, a tile of 256 columns past N = 64; 1984 and
-# 2880: rows cut where their own lines begin, 4 phases, 1984's last slice longer than the others)
+# (2064: a short last slice; 11008 float32 at 16 rows: S = 16, and a last tile of 16 columns, one slice of
+# all of K; 1984 and 2880: rows cut where their own lines begin, 4 phases, 1984's last slice longer than
+# the others; the last tiles of 100, 40 and 70 columns have 3 to 7 groups of 16 columns, and take S slices)
 SAME_BITS = [(Case(9, 100, 2064, dtype=torch.float16, nested=True, bias=True, seed=21), 4),
              (Case(10, 100, 2064, dtype=torch.float32, nested=True, bias=True, seed=21), 8),
-             (Case(16, 64, 11008, dtype=torch.float32, nested=True, bias=True, seed=22), 16),
+             (Case(16, 272, 11008, dtype=torch.float32, nested=True, bias=True, seed=22), 16),
              (Case(12, 40, 1984, dtype=torch.float16, nested=True, bias=True, seed=23), 4),
              (Case(5, 70, 2880, dtype=torch.float32, nested=True, bias=True, seed=24), 8)]
 
@@ -69,13 +72,12 @@ def test_same_bits_whichever_threadgroup_adds_the_tile(library, case, S):
     dtype = case.dtype
     assert matmul_4bit.choose_path(case.M, case.N, case.K) == "splitk"
     assert matmul_4bit.splitk_splits(case.M, case.K, dtype.itemsize) == S
-    tiles = -(-case.N // (16 * S))
     results, tags = [], []
     for order, seed in (("forward", 0), ("reverse", 0), ("random", 1), ("random", 2), ("random", 3)):
         ex = EmulatedExecutor(library, order=order, seed=seed)
         y, figures = _run(ex, case)
         assert ex.launched == [f"bnb_gemm_4bit_splitk_nested_{'f16' if dtype == torch.float16 else 'f32'}"]
-        tags.append(_counted(_counters(), tiles, S))
+        tags.append(_counted(_counters(), case.N, S))
         results.append((order, seed, y))
     assert all(a != b for a, b in zip(tags, tags[1:])), tags
     for order, seed, y in results[1:]:
@@ -108,7 +110,7 @@ def test_counts_a_call_that_never_finished_left_are_not_the_next_calls(library):
     S = matmul_4bit.splitk_splits(case.M, case.K, 2)
     tiles = -(-case.N // (16 * S))
     clean, _ = _run(EmulatedExecutor(library, order="forward"), case)
-    previous = _counted(_counters(), tiles, S)
+    previous = _counted(_counters(), case.N, S)
     g = torch.Generator().manual_seed(4)
     for order, seed in (("forward", 0), ("reverse", 0), ("random", 6)):
         counters = _counters()
@@ -121,7 +123,7 @@ def test_counts_a_call_that_never_finished_left_are_not_the_next_calls(library):
             _buffers_of("splitk partial sums")[0].fill_(float("nan"))
             y, _ = _run(EmulatedExecutor(library, order=order, seed=seed), case)
             assert torch.equal(y.view(torch.uint8), clean.view(torch.uint8)), (order, tag)
-            previous = _counted(_counters(), tiles, S)
+            previous = _counted(_counters(), case.N, S)
 
 
 def test_a_call_allocates_its_output_only(library):
@@ -157,9 +159,16 @@ def test_workspace_grows_and_refuses_negative_sizes():
         workspace.workspace("cpu", "test", -1, torch.int32, zeroed=False)
 
 
-# (2880: rows 4 phases apart in their lines; 1152: 2; 1040: 16, more than S: one cut for all rows)
+def _lines(begin: int, end: int) -> range:
+    """The 128-byte lines that bytes begin to end - 1 meet."""
+    return range(begin // 128, (end - 1) // 128 + 1)
+
+
+# (2880: rows 4 phases apart in their lines; 1152: 2; 1040: 16, more than S: one cut for all rows; 144
+# columns at S = 8: a last tile of 16 columns, one threadgroup over all of K)
 @pytest.mark.parametrize("M,N,K,dtype", [(8, 128, 3072, torch.float32), (9, 128, 1040, torch.float16),
-                                         (8, 128, 2880, torch.float16), (6, 96, 1152, torch.float32)])
+                                         (8, 128, 2880, torch.float16), (6, 96, 1152, torch.float32),
+                                         (8, 144, 2880, torch.float16)])
 def test_each_line_of_the_weight_and_of_the_output_is_moved_by_one_threadgroup(M, N, K, dtype):
     """Under the cost model (the emulator's profile): each weight row is cut where its own 128-byte lines
     begin, so where rows are whole lines (K % 256 == 0) no line of the packed weight is touched by two
@@ -183,12 +192,24 @@ def test_each_line_of_the_weight_and_of_the_output_is_moved_by_one_threadgroup(M
         y = call(OPS["gemm_4bit"], tuple(args), {}, rec)
     (p,) = rec.profiles
     dt = "f16" if dtype == torch.float16 else "f32"
-    assert p.kernel == f"bnb_gemm_4bit_splitk_nested_{dt}" and p.grid[1] == S >= 4, (p.kernel, p.grid)
+    slices = splitk_slices_per_tile(N, S)
+    assert p.kernel == f"bnb_gemm_4bit_splitk_nested_{dt}" and S >= 4 and p.grid == (sum(slices), 1, 1), p.grid
     weight, out = p.buffers[1], p.buffers[8]
     rest = K % 256
     if rest == 0 or S % (256 // (rest & -rest)) == 0:
-        shared = sum(1 for n in range(1, N) if n * K % 256)  # rows that start inside a line
+        # rows that start inside a line the row before ends in, read by another threadgroup (not in a last
+        # tile of one slice, whose threadgroup reads its rows whole)
+        whole = N - 16 * S * (len(slices) - 1) if slices[-1] == 1 else 0
+        shared = sum(1 for n in range(1, N - whole + 1) if n * K % 256)
         assert weight.lines_summed_over_threadgroups == weight.lines + shared and weight.lines == N * K // 256
-        assert shared == (0 if rest == 0 else N - 1 - (N - 1) // (256 // (rest & -rest))), shared
-    assert out.lines_summed_over_threadgroups == out.lines and out.store_bytes == M * N * dtype.itemsize
+        n = N - whole - 1
+        assert shared == (0 if rest == 0 else n - n // (256 // (rest & -rest))), shared
+    # one threadgroup of each tile writes the tile's columns of every row: the lines those bytes meet
+    width, size = 16 * S, dtype.itemsize
+    written = [{line for m in range(M) for line in _lines((m * N + c0) * size, (m * N + min(N, c0 + width)) * size)}
+               for c0 in range(0, N, width)]  # fmt: skip
+    assert out.lines_summed_over_threadgroups == sum(map(len, written)) and out.lines == len(set().union(*written))
+    assert out.store_bytes == M * N * dtype.itemsize
+    if N % width == 0 and N * size % 128 == 0:  # (whole tiles on whole lines: no line written twice)
+        assert out.lines_summed_over_threadgroups == out.lines
     R.check_accuracy(y.reshape(-1, N), A.reshape(-1, K), W, bias)

@@ -168,7 +168,7 @@ GROUPS = {
     "E": [
         Fault("the split-K kernel's last slice of a row cut in its phase stops short of K", "gemm_4bit_splitk.h",
               "const uint k_end = slice + 1u == S ? K : min(K, (slice + 1u) * span - phase);",
-              "const uint k_end = min(K, (slice + 1u) * span - phase);", {"matmul_4bit_splitk": r"M=5 N=20 K=1984 "}),
+              "const uint k_end = min(K, (slice + 1u) * span - phase);", {"matmul_4bit_splitk": r"M=5 N=72 K=1984 "}),
     ],
 }
 
@@ -319,9 +319,9 @@ def test_cost_is_bounded(unmodified_run):
     verdicts, _, _ = unmodified_run
     launches = sum(v.launches for v in verdicts.values())
     nbytes = sum(v.bytes for v in verdicts.values())
-    # (215 launches, 3.2 MB: 9 launches each for the small path and its wide variant, 18 for the split-K
-    # path's two shapes, 1.2 MB of them, 179 before them)
-    assert 0 < launches <= 220 and 0 < nbytes <= 7 << 19, (launches, nbytes)
+    # (215 launches, 3.9 MB: 9 launches each for the small path and its wide variant, 18 for the split-K
+    # path's two shapes, 1.9 MB of them, 179 before them)
+    assert 0 < launches <= 220 and 0 < nbytes <= 1 << 22, (launches, nbytes)
 
 
 _DTYPE_TAG = r"_(f16|bf16|f32)(_f32bias)?"

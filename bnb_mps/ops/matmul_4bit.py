@@ -18,7 +18,7 @@ from .fourbit import dequantize_4bit_cpu, packed_bytes
 from .launch import DTYPE_NAMES, VECTOR_ALIGN, aligned_arg, check_size, flat_arg, is_aligned, out_arg
 from .plan import Plan, PlanBuilder
 from .registry import checks, composite, kernel_of, planner
-from .small_batch import _SMALL_ROWS_PER_TG, _SPLITK_ALIGN, splitk_splits
+from .small_batch import _SMALL_ROWS_PER_TG, _SPLITK_ALIGN, splitk_splits, splitk_threadgroups
 
 # What bitsandbytes' gemv/gemm schemas accept for B (read as bytes).
 GEMM_STORAGE_DTYPES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
@@ -302,7 +302,7 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
         name = f"bnb_gemm_4bit_splitk_{sc}_{dt}"
         S = splitk_splits(M, K, A.element_size(), scale_bytes, blocksize)
         tiles = math.ceil(N / (_SMALL_ROWS_PER_TG * S))
-        grid, threads = (tiles, S, 1), (128, 1, 1)
+        grid, threads = (splitk_threadgroups(N, S), 1, 1), (128, 1, 1)
         partials = tiles * S * M * _SMALL_ROWS_PER_TG * S
         check_size(b.op, "the split-K workspace", partials)
         work = b.workspace("splitk partial sums", partials, torch.float32)

@@ -36,6 +36,16 @@ def splitk_splits(M: int, K: int, itemsize: int, scale_bytes: int = 1, blocksize
     return min(choices, key=lambda S: splitk_cost(M, K, itemsize, S, scale_bytes, blocksize))
 
 
+def splitk_threadgroups(N: int, S: int) -> int:
+    """The split-K kernel's threadgroups for N weight rows in tiles of 16 S: S per tile, but the last
+    tile, of g groups of 16 rows, takes the least power of two of slices not below g
+    (gemm_4bit_splitk.h, "The last tile"). At least ceil(N / 16), half the gemv kernel's."""
+    width = _SMALL_ROWS_PER_TG * S
+    tiles = -(-N // width)
+    groups = -(-(N - (tiles - 1) * width) // _SMALL_ROWS_PER_TG)
+    return (tiles - 1) * S + (1 << (groups - 1).bit_length())
+
+
 def splits(K: int) -> tuple[int, ...]:
     """The S the split-K kernel may take for K: 2, 4, 8, 16, slices of 256 or more."""
     return tuple(S for S in (2, 4, 8, 16) if K >= S * _SPLITK_ALIGN)

@@ -8,8 +8,8 @@
 //                         S slices, and threadgroup (tile, slice) computes the tile's columns over its
 //                         slice for all M rows of A. So each threadgroup reads only its slice of A
 //                         (A is read ceil(N / (16 S)) times in all, where the small kernel, with as many
-//                         threadgroups, reads it ceil(N / 16) times), and the grid still has
-//                         ceil(N / (16 S)) x S >= ceil(N / 16) threadgroups, half the gemv kernel's.
+//                         threadgroups, reads it ceil(N / 16) times), and the grid still has at
+//                         least ceil(N / 16) threadgroups, half the gemv kernel's.
 //
 // Why a workspace, and how the slices meet (docs/small-batch.md has the traffic figures). The S
 // partial sums of an output need a place between threadgroups. Each threadgroup writes its tile's
@@ -49,8 +49,16 @@
 // by up to 256 - 256 / P columns over the tile's groups. Where P does not divide S (K % 256 == 16,
 // say) the slices cut every row at the same K, and the lines they cut are read by two threadgroups.
 //
-// Grid: (ceil(N / (16 S)), S, 1) threadgroups of 128 threads. Needs K % 16 == 0, 1 <= M <= 32,
-// 1 <= S <= 31 (the op layer takes 2, 4, 8 or 16) and 1 <= tag < 2^27.
+// The last tile. Where N is not a multiple of 16 S, the last tile holds fewer groups of 16 rows than S,
+// and S threadgroups would each read all of A's slice, write partial sums and touch the scales' and
+// tables' lines for those few rows. It takes fewer slices instead: the least power of two S' >= its
+// groups (1 where it has 16 rows or fewer, which then adds its one slot), each threadgroup K / S' of
+// its S' groups, as much work as every other threadgroup's. So the grid has ceil(N / 16) threadgroups
+// or a few more (half the gemv kernel's), and no threadgroup idles.
+//
+// Grid: ((tiles - 1) S + S', 1, 1) threadgroups of 128 threads, threadgroup x taking slice x % S of
+// tile x / S (`splits` = S). Needs K % 16 == 0, 1 <= M <= 32, S a power of two from 1 to 16 (the op
+// layer takes 2, 4, 8 or 16) and 1 <= tag < 2^27.
 #pragma once
 
 #include "gemm_4bit_small.h"
@@ -114,12 +122,18 @@ template <typename T, bool NESTED>
 
     constant float* lut = bnb_mm_table(code, table);
     const float offset = NESTED ? bnb_mm_offset(absmax_offset, offset_kind) : 0.0f;
-    const uint S = splits;
-    const uint cols = GROUP * S;  // columns per tile
+    const uint cols = GROUP * splits;  // columns per tile
     const uint mcount = min(M, BNB_SMALL_M);  // (the op layer never launches more rows)
     const uint q = lane % BNB_SMALL_LANES;
-    const uint tile = tg.x;
-    const uint slice = tg.y;
+    const uint tile = tg.x / splits;
+    const uint slice = tg.x % splits;
+    // S, this tile's slices: `splits`, but for a last tile of fewer groups of 16 rows, which takes the
+    // least power of two of slices that is not below its groups (see "The last tile" above)
+    const uint groups = (min(cols, N - tile * cols) + GROUP - 1u) / GROUP;
+    uint S = 1u;
+    while (S < groups) {
+        S <<= 1u;
+    }
     // K per slice, a multiple of 256 (see "Slices and lines" above)
     const uint span = (K + BNB_SPLITK_ALIGN * S - 1u) / (BNB_SPLITK_ALIGN * S) * BNB_SPLITK_ALIGN;
     // P, the rows after which a row's phase in its line repeats; 1 (no phases) where P does not divide S
@@ -127,7 +141,7 @@ template <typename T, bool NESTED>
     const uint period = rest == 0u ? 1u : BNB_SPLITK_ALIGN / (rest & (0u - rest));
     const uint P = S % period == 0u ? period : 1u;
     // This threadgroup's slot: [mcount][cols] float32 partial sums.
-    BNB_DEVICE_COHERENT device float* slot = work + (tile * S + slice) * (mcount * cols);
+    BNB_DEVICE_COHERENT device float* slot = work + (tile * splits + slice) * (mcount * cols);
 
     for (uint g = 0; g < S; ++g) {
         // Group g holds the tile's rows of phase class c = g % P: rows (16 (g / P) + p) P + c, p < 16.
@@ -175,7 +189,7 @@ template <typename T, bool NESTED>
         return;
     }
     // The last of the tile's S threadgroups: every output of the tile, its slots added in slice order.
-    BNB_DEVICE_COHERENT device const float* tile_work = work + tile * S * (mcount * cols);
+    BNB_DEVICE_COHERENT device const float* tile_work = work + tile * splits * (mcount * cols);
     for (uint e = tid; e < mcount * cols; e += THREADS) {
         const uint i = e / cols;
         const uint col = e % cols;

@@ -37,7 +37,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # rows q and q + 8. Split-K: K = 1040 = 4 x 256 + 16 cuts into slices of 512, 512, 16 and none
     # (S = 4), N = 40 leaves a partial tile of 64 columns, and the last threadgroup of each tile adds
     # the tile's partial sums; K = 1984 = 7 x 256 + 192 cuts each row where its own lines begin (rows
-    # 4 phases apart, a group of the tile per phase), the last slice longer than the others.
+    # 4 phases apart, a group of the tile per phase), the last slice longer than the others, and N = 72
+    # leaves a last tile of 8 columns, which one threadgroup takes over all of K.
     Family("matmul_4bit_gemv", _MATMUL_OPS, lambda: matmul_cases(1, 20, 1280, seed=900)),
     Family("matmul_4bit_small", _MATMUL_OPS, lambda: matmul_cases(12, 20, 400, seed=940)),
     Family("matmul_4bit_batch", _MATMUL_OPS, lambda: _routed(matmul_cases(5, 20, 560, seed=910), "batch")),
@@ -50,7 +51,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # calls instead (bnb_mps.ops.candidates.FALLBACK). Its threadgroups meet through device memory
     # (gemm_4bit_splitk.h), what only the user's GPU can show to hold.
     Family("matmul_4bit_splitk", (),
-           lambda: itertools.chain(matmul_cases(12, 40, 1040, seed=960), matmul_cases(5, 20, 1984, seed=961)),
+           lambda: itertools.chain(matmul_cases(12, 40, 1040, seed=960), matmul_cases(5, 72, 1984, seed=961)),
            serves=_MATMUL_OPS),
     Family("int8_quant", ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant"),
            int8_quant_cases),
