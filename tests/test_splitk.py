@@ -198,13 +198,12 @@ def test_each_line_of_the_weight_and_of_the_output_is_moved_by_one_threadgroup(M
     weight, out = p.buffers[1], p.buffers[8]
     rest = K % 256
     if rest == 0 or S % (256 // (rest & -rest)) == 0:
-        # rows that start inside a line the row before ends in, read by another threadgroup (not in a last
-        # tile of one slice, whose threadgroup reads its rows whole)
-        whole = N - 16 * S * (len(slices) - 1) if slices[-1] == 1 else 0
-        shared = sum(1 for n in range(1, N - whole + 1) if n * K % 256)
+        # rows n that start inside a line row n - 1 ends in, read by another threadgroup: all from 1 to
+        # N - 1, but in a last tile of one slice, whose threadgroup reads its rows whole (from its first)
+        last = 16 * S * (len(slices) - 1) if slices[-1] == 1 else N - 1
+        shared = sum(1 for n in range(1, last + 1) if n * K % 256)
         assert weight.lines_summed_over_threadgroups == weight.lines + shared and weight.lines == N * K // 256
-        n = N - whole - 1
-        assert shared == (0 if rest == 0 else n - n // (256 // (rest & -rest))), shared
+        assert shared == (0 if rest == 0 else last - last // (256 // (rest & -rest))), shared
     # one threadgroup of each tile writes the tile's columns of every row: the lines those bytes meet
     width, size = 16 * S, dtype.itemsize
     written = [{line for m in range(M) for line in _lines((m * N + c0) * size, (m * N + min(N, c0 + width)) * size)}
