@@ -64,7 +64,7 @@ def test_project_kernels_pass_at_metal_3_2(clang):
     import dataclasses
 
     at_32 = dataclasses.replace(clang, flags=(*clang.flags, "-D__METAL_VERSION__=320"))
-    unit = kernel_source.kernel_dir() / "gemm_4bit.metal"
+    unit = kernel_source.kernel_dir() / "gemm_4bit_splitk.metal"
     assert address_space.check_file(unit, at_32) == []
     text, _ = address_space.translation_unit(unit)
     assert "atomic_thread_fence(mem_flags::mem_device" in text and "coherent(device)" in text

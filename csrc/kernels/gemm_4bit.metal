@@ -12,10 +12,11 @@
 //   bnb_gemm_4bit_small_<sc>_<dt>   2 <= M <= 32 below K = 512, each weight byte read once
 //                                   (gemm_4bit_small.h)
 //   bnb_gemm_4bit_small_wide_<sc>_<dt>  the same with 8 weight rows per threadgroup (gemv's grid)
-//   bnb_gemm_4bit_splitk_<sc>_<dt>  2 <= M <= 32 from K = 512, each weight byte read once, K split
-//                                   over S threadgroups per tile of columns (gemm_4bit_splitk.h)
 //
-// Buffers (the same for all seven; unused ones are bound to any non-empty buffer, never read):
+// The split-K kernels (2 <= M <= 32 from K = 512) are a compile unit of their own, with the same
+// buffers 0..16: gemm_4bit_splitk.metal.
+//
+// Buffers (the same for all six; unused ones are bound to any non-empty buffer, never read):
 //   buffer(0)  A             device const <dt>*    [M, K] with row stride lda (elements)
 //   buffer(1)  B             device const uchar*   the packed weight, ceil(N*K / 2) bytes
 //                                                  (16-byte aligned; any quant_storage, as bytes)
@@ -33,12 +34,6 @@
 //   buffer(15) offset_kind   constant uint&        0: float32, 1: float16, 2: bfloat16
 //   buffer(16) flags         constant uint&        1: add bias; 2: A is 16-byte aligned at
 //                                                  every row start (vector loads)
-//   splitk only:
-//   buffer(17) splits        constant uint&        S, slices of K (1..31)
-//   buffer(18) work          device float*         workspace, >= ceil(N / (16 S)) * S * M * 16 S floats
-//   buffer(19) counters      device atomic_uint*   ceil(N / (16 S)) counters (zeroed when allocated)
-//   buffer(20) tag           constant uint&        the call's tag, 1..2^27 - 1, unlike the tag any
-//                                                  counter holds (the op layer counts calls)
 //
 // Geometry (threadgroup; grid in threadgroups):
 //   gemv:  (64, 1, 1);  (ceil(N / 8), M, 1)                 K % 32 == 0
@@ -46,12 +41,10 @@
 //   mma:   (128, 1, 1); (ceil(M / 32), ceil(N / 64), 1)     any K
 //   small: (128, 1, 1); (ceil(N / 16), 1, 1)                K % 16 == 0, M <= 32
 //   small_wide: (64, 1, 1); (ceil(N / 8), 1, 1)             K % 16 == 0, M <= 32
-//   splitk: (128, 1, 1); (ceil(N / (16 S)), S, 1)           K % 16 == 0, M <= 32
 // Limits (op layer): N*K, (M - 1) * lda + K and M*N below 2^32 - 8192.
 #include "bnb_math_mode.h"
 #include "gemm_4bit.h"
 #include "gemm_4bit_small.h"
-#include "gemm_4bit_splitk.h"
 
 #define BNB_INSTANTIATE_MATMUL4(sname, nested, tname, type)                                                  \
     BNB_KERNEL_INSTANTIATE("bnb_gemv_4bit_" #sname "_" #tname, bnb_gemv_4bit, type, nested, false)         \
@@ -59,8 +52,7 @@
     BNB_KERNEL_INSTANTIATE("bnb_gemm_4bit_batch_" #sname "_" #tname, bnb_gemm_4bit_batch, type, nested)    \
     BNB_KERNEL_INSTANTIATE("bnb_gemm_4bit_mma_" #sname "_" #tname, bnb_gemm_4bit_mma, type, nested)        \
     BNB_KERNEL_INSTANTIATE("bnb_gemm_4bit_small_" #sname "_" #tname, bnb_gemm_4bit_small, type, nested, 4u)   \
-    BNB_KERNEL_INSTANTIATE("bnb_gemm_4bit_small_wide_" #sname "_" #tname, bnb_gemm_4bit_small, type, nested, 2u) \
-    BNB_KERNEL_INSTANTIATE("bnb_gemm_4bit_splitk_" #sname "_" #tname, bnb_gemm_4bit_splitk, type, nested)
+    BNB_KERNEL_INSTANTIATE("bnb_gemm_4bit_small_wide_" #sname "_" #tname, bnb_gemm_4bit_small, type, nested, 2u)
 
 BNB_INSTANTIATE_MATMUL4(absmax, false, f16, half)
 BNB_INSTANTIATE_MATMUL4(absmax, false, f32, float)
