@@ -150,6 +150,73 @@ def test_a_watched_launch_hands_its_watch_to_the_library_with_the_launch():
         ex.launch("k", grid=(1, 1, 1), threadgroup=(1024, 2, 1), args=[], watch=watch)
 
 
+def test_a_kept_launch_plan_hands_each_call_the_watch_of_the_moment():
+    """A launch prepared before `watching` (a launch plan kept from an earlier call) is given the timing
+    watch on the calls made inside it, and none on those after it: the watch is read per call."""
+    lib, watch = RecordingLibrary(), object()
+    ex = native.NativeExecutor(lib)
+    run = ex.prepare("k", (2, 1, 1), (32, 1, 1))
+    run((torch.zeros(2),))
+    with ex.watching(watch):
+        run((torch.zeros(2),))
+        ex.prepare("k", (2, 1, 1), (32, 1, 1))((torch.zeros(2),))
+    run((torch.zeros(2),))
+    assert lib.watches == [None, watch, watch, None]
+
+
+def test_watching_is_per_thread():
+    """Two threads time batches at once (tuning on two threads): each thread's launches get its own
+    watch, a launch on a thread outside `watching` gets none, and one thread leaving `watching` does not
+    take the other's watch away. The steps interleave in a fixed order (barriers)."""
+    import threading
+
+    lib = RecordingLibrary()
+    ex = native.NativeExecutor(lib)
+    run = ex.prepare("k", (2, 1, 1), (32, 1, 1))
+    watches = {"a": object(), "b": object()}
+    step = threading.Barrier(2)
+    seen: dict = {"a": [], "b": [], "c": []}
+    lock = threading.Lock()
+
+    def launch(name, tag):
+        with lock:  # (the recording library is not thread-safe; the watch is read before the lock is needed)
+            before = len(lib.watches) if hasattr(lib, "watches") else 0
+            run((torch.zeros(2),))
+            seen[name].append((tag, lib.watches[before]))
+
+    def a():
+        with ex.watching(watches["a"]):
+            step.wait()  # 1: both inside
+            launch("a", 1)
+            step.wait()  # 2: b has left
+            step.wait()  # 3
+            launch("a", 2)
+        step.wait()  # 4: a has left, b launches unwatched... and c
+        step.wait()  # 5
+
+    def b():
+        with ex.watching(watches["b"]):
+            step.wait()  # 1
+            launch("b", 1)
+        step.wait()  # 2
+        launch("b", 2)  # (outside watching)
+        step.wait()  # 3
+        step.wait()  # 4
+        launch("b", 3)
+        step.wait()  # 5
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert seen["a"] == [(1, watches["a"]), (2, watches["a"])]
+    assert seen["b"] == [(1, watches["b"]), (2, None), (3, None)]
+    launch("c", 1)  # (the main thread never watched)
+    assert seen["c"] == [(1, None)]
+
+
 def test_a_prepared_launch_checks_its_geometry_once_and_forwards_its_arguments_as_they_are(monkeypatch):
     """prepare(): what a launch plan keeps. The geometry is checked when the launch is prepared (a
     bad one raises there); each call forwards the arguments object itself, Scalars being their bytes."""

@@ -40,6 +40,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
@@ -82,7 +83,7 @@ class NativeExecutor:
         #: OS compiler's default (set by `load`)
         self.language_version: Optional[tuple[int, int]] = None
         self._watch = watch
-        self._timing_watch = None  # what `watching` gives every launch for now
+        self._timing = threading.local()  # .watch: what `watching` gives this thread's launches for now
         if isinstance(library, CompileUnits):
             self._units: Optional[CompileUnits] = library
             self.origin: str = "source"
@@ -126,8 +127,10 @@ class NativeExecutor:
         launch = self._launchers.get(kernel, self._other)
         grid, threadgroup = tuple(grid), tuple(threadgroup)
 
+        timing = self._timing
+
         def launch_prepared(args) -> None:
-            watch = self._timing_watch  # (None but while tuning's GPU clock times a batch: `watching`)
+            watch = getattr(timing, "watch", None)  # (read per call: None but inside `watching` on this thread)
             if watch is None:
                 launch(kernel, grid, threadgroup, args)
             else:
@@ -137,13 +140,15 @@ class NativeExecutor:
 
     @contextlib.contextmanager
     def watching(self, watch) -> Iterator[None]:
-        """While it lasts, every launch of this executor (those of kept launch plans included) is given
-        `watch` (from `watch_command_buffers`): the GPU clock of tuning (clocks.CommandBufferClock)."""
-        self._timing_watch = watch
+        """While it lasts, every launch of this executor made on this thread (those of kept launch plans
+        included) is given `watch` (from `watch_command_buffers`): the GPU clock of tuning
+        (clocks.CommandBufferClock). Per thread: another thread's launches keep their own watch, or none."""
+        before = getattr(self._timing, "watch", None)
+        self._timing.watch = watch
         try:
             yield
         finally:
-            self._timing_watch = None
+            self._timing.watch = before
 
     def synchronize(self) -> None:
         """Waits until the GPU ran everything encoded so far (torch.mps.synchronize)."""
