@@ -80,7 +80,10 @@ class RecordingExecutor:
 def use_emulated_kernels(*, profile: bool = False, **settings) -> Iterator[RecordingExecutor]:
     """Serve bitsandbytes ops on CPU tensors with bnb_mps' Metal kernels under the emulator.
 
-    `settings` (order, race_check, poison, seed) go to the emulated executor for the duration.
+    `settings` (order, race_check, poison, seed, float_mode, metal_version, coherence_check) go to
+    the emulated executor for the duration: `metal_version="3.2"` compiles the kernels at Metal 3.2
+    (the op layer then routes as for a tier at that version), `coherence_check=True` runs every
+    launch under the emulator's memory-model check (bnb_mps.emulator.CoherenceError).
     Yields a RecordingExecutor whose `launched` lists the kernels that ran. With `profile=True`
     every launch is profiled (bnb_mps.emulator.Library.profile) and the recorder's `profiles`
     holds each launch's memory traffic. Not re-entrant.

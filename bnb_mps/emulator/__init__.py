@@ -9,12 +9,15 @@ Kernel text is compiled as C++ against shim Metal headers (csrc/emu/include) and
 fiber per simulated thread; see docs/emulator.md (how simdgroup_matrix is modelled, what it
 costs and why) and `Library.launch`.
 `Library.profile` runs a kernel in an instrumented build and reports its memory traffic
-(bnb_mps.emulator.profile).
+(bnb_mps.emulator.profile). `Library(source, metal_version="3.2")` compiles at another Metal
+language version; `launch(..., coherence_check=True)` fails a read of what another threadgroup of
+the dispatch wrote unless that version's memory model makes it visible (CoherenceError).
 """
 
 from .build import find_compiler
 from .errors import (
     BarrierDivergence,
+    CoherenceError,
     CompileError,
     DivergentCollective,
     EmulatorError,
@@ -27,12 +30,12 @@ from .errors import (
     UnboundBuffer,
 )
 from .harness import NondeterministicOutput, run_checked
-from .library import Library, load
+from .library import METAL_VERSIONS, Library, load
 from .profile import LINE_BYTES, BufferTraffic, Estimate, KernelProfile, summarize
 from .prepass import PrepassError, translate
 
 __all__ = [
-    "BarrierDivergence", "BufferTraffic", "CompileError", "DivergentCollective", "EmulatorError", "Estimate",
+    "BarrierDivergence", "BufferTraffic", "CoherenceError", "CompileError", "DivergentCollective", "EmulatorError", "Estimate",
     "KernelError", "KernelProfile", "LINE_BYTES", "LimitExceeded", "Library", "MemoryFault", "NondeterministicOutput", "OutOfBounds", "PrepassError", "RaceDetected", "StackOverflow", "UnboundBuffer",
-    "find_compiler", "load", "run_checked", "summarize", "translate",
+    "METAL_VERSIONS", "find_compiler", "load", "run_checked", "summarize", "translate",
 ]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .errors import CompileError
 
-ABI_VERSION = 7  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
+ABI_VERSION = 8  # must match BNB_EMU_ABI_VERSION in csrc/emu/include/bnb_emu/abi.h
 
 
 def include_dir() -> Path:
@@ -148,7 +148,7 @@ def isa_flags(path: str) -> tuple[str, ...]:
     return ()
 
 
-def flags(path: str, race_check: bool, profile: bool = False) -> list[str]:
+def flags(path: str, race_check: bool, profile: bool = False, metal_version: int = 310) -> list[str]:
     f = [
         "-std=c++17", "-O2", "-g1", "-fPIC", "-shared",
         "-fvisibility=hidden", "-fvisibility-inlines-hidden",
@@ -164,6 +164,7 @@ def flags(path: str, race_check: bool, profile: bool = False) -> list[str]:
               "-Wno-gnu-anonymous-struct", "-Wno-nested-anon-types", "-Wno-unused-command-line-argument"]
     else:
         f += ["-fno-gnu-unique"]
+    f.append(f"-D__METAL_VERSION__={int(metal_version)}")
     if race_check:
         f.append("-DBNB_EMU_RACE_CHECK=1")
     if profile:
@@ -184,12 +185,13 @@ def _headers_digest(inc: Path) -> str:
 
 
 def build(cpp: str, *, compiler: str | None = None, race_check: bool = False, profile: bool = False,
-          name: str = "kernel") -> Path:
+          name: str = "kernel", metal_version: int = 310) -> Path:
     """Compiles translated source into a kernel module; returns the cached shared object.
-    `profile`: the instrumented build that `Library.profile` runs (needs clang, see above)."""
+    `profile`: the instrumented build that `Library.profile` and the coherence check run (needs clang,
+    see above). `metal_version`: __METAL_VERSION__ (310, 320, 400)."""
     cxx = find_profile_compiler(compiler) if profile else find_compiler(compiler)
     inc = include_dir()
-    fl = flags(cxx, race_check, profile)
+    fl = flags(cxx, race_check, profile, metal_version)
     key = hashlib.sha256(
         "\0".join([str(ABI_VERSION), cpp, _headers_digest(inc), cxx, compiler_identity(cxx), " ".join(fl)]).encode()
     ).hexdigest()[:32]

@@ -70,9 +70,22 @@ class KernelError(EmulatorError):
     kind = 9
 
 
+class CoherenceError(EmulatorError):
+    """A threadgroup read device memory that another threadgroup of the same dispatch wrote, where
+    the Metal language version the kernel was compiled at does not make that write visible: below
+    Metal 3.2 never (an atomic's own value aside); from 3.2 only in a coherent(device) buffer, with a
+    device-scope release fence after the write in the writing thread, ordered before an atomic write
+    whose value the reading threadgroup observed, and a device-scope acquire fence in the reading
+    thread after that observation (docs/emulator.md, "Memory model"). The message names the buffer,
+    the byte offset and both threadgroups."""
+
+    kind = 10
+
+
 class CompileError(EmulatorError):
     """The kernel source did not compile as C++ against the emulator's shim headers."""
 
 
 BY_KIND = {cls.kind: cls for cls in (OutOfBounds, RaceDetected, BarrierDivergence, DivergentCollective,
-                                     LimitExceeded, UnboundBuffer, MemoryFault, StackOverflow, KernelError)}
+                                     LimitExceeded, UnboundBuffer, MemoryFault, StackOverflow, KernelError,
+                                     CoherenceError)}

@@ -33,6 +33,17 @@ _ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 #: float32 units flush subnormal inputs and results to zero (fp16 keeps its subnormals, bfloat's are
 #: float32's and flush); "ieee" keeps float32 subnormals, as the host CPU does, for comparison.
 FLOAT_MODES = ("apple", "ieee")
+#: The Metal language versions the tiers compile at, and their __METAL_VERSION__.
+METAL_VERSIONS = {"3.1": 310, "3.2": 320, "4.0": 400}
+
+
+def metal_version_number(metal_version: str) -> int:
+    """__METAL_VERSION__ of a language version "3.1", "3.2" or "4.0" (ValueError otherwise)."""
+    if metal_version not in METAL_VERSIONS:
+        raise ValueError(f"metal_version must be one of {sorted(METAL_VERSIONS)}, got {metal_version!r}")
+    return METAL_VERSIONS[metal_version]
+
+
 #: Environment variable that sets the default float mode of every launch (e.g. BNB_MPS_EMU_FLOAT=ieee).
 FLOAT_MODE_ENV = "BNB_MPS_EMU_FLOAT"
 
@@ -143,11 +154,15 @@ def _addr2line(path: str, offset: int) -> str | None:
 
 
 class Library:
-    """Kernels compiled from one MSL source; `launch` runs them under the emulator, `profile` runs
-    them and measures their memory traffic."""
+    """Kernels compiled from one MSL source at one Metal language version (`metal_version`: "3.1",
+    "3.2" or "4.0", as __METAL_VERSION__ 310, 320, 400); `launch` runs them under the emulator,
+    `profile` runs them and measures their memory traffic."""
 
-    def __init__(self, source: str, *, name: str = "kernel.metal", compiler: str | None = None) -> None:
+    def __init__(self, source: str, *, name: str = "kernel.metal", compiler: str | None = None,
+                 metal_version: str = "3.1") -> None:
         self.name = name
+        self.metal_version = metal_version
+        self._version = metal_version_number(metal_version)
         self._compiler = compiler
         self._translation = prepass.translate(source, name)
         self._modules: dict[tuple[bool, bool], object] = {}
@@ -161,7 +176,7 @@ class Library:
             if mod is None:
                 rt = _runtime()
                 so = build.build(self._translation.cpp, compiler=self._compiler, race_check=race_check,
-                                 profile=profile, name=self.name)
+                                 profile=profile, name=self.name, metal_version=self._version)
                 mod = rt.Module(str(so))
                 self._modules[(race_check, profile)] = mod
             return mod
@@ -186,6 +201,7 @@ class Library:
         poison: int = 0xFF,
         seed: int = 0,
         float_mode: str | None = None,
+        coherence_check: bool = False,
     ) -> None:
         """Runs `kernel` over `grid` threadgroups of `threadgroup` threads (or over `threads`
         threads in total, Metal's dispatchThreads, with smaller edge threadgroups), binding
@@ -193,14 +209,19 @@ class Library:
         written back into the tensors. Faults raise an EmulatorError subclass.
 
         `float_mode`: "apple" (float32 subnormal inputs and results flush to zero, as on Apple GPUs)
-        or "ieee" (they are kept, as on the host CPU); None takes `default_float_mode()`."""
+        or "ieee" (they are kept, as on the host CPU); None takes `default_float_mode()`.
+
+        `coherence_check`: run in the instrumented build (clang, as `profile`) and raise
+        CoherenceError when a thread reads device memory that another threadgroup of this dispatch
+        wrote and the library's Metal version does not make that write visible to it
+        (docs/emulator.md, "Memory model")."""
         flush = _flush_subnormals(float_mode)
         mod, groups, tg, total, buffers = self._dispatch(kernel, grid, threadgroup, args, threads, order, race_check,
-                                                         poison, seed, profile=False)
+                                                         poison, seed, profile=bool(coherence_check))
         if 0 in groups:
             return
         res = _runtime().launch(mod, kernel, list(groups), list(tg), list(total), buffers, _ORDERS[order], seed,
-                                poison, bool(race_check), flush)
+                                poison, bool(race_check), flush, bool(coherence_check), self._version)
         self._raise_fault(kernel, mod, res)
 
     def profile(
@@ -325,16 +346,16 @@ def _line_offset(arg: object, line_bytes: int) -> int:
     return (arg.storage_offset() * arg.element_size()) % line_bytes  # type: ignore[union-attr]
 
 
-def load(source_or_path: Union[str, Path], *, compiler: str | None = None) -> Library:
+def load(source_or_path: Union[str, Path], *, compiler: str | None = None, metal_version: str = "3.1") -> Library:
     """A Library from MSL text, or from a path to a `.metal` file (local includes are not
-    resolved here: amalgamate first, see bnb_mps.msl.source)."""
+    resolved here: amalgamate first, see bnb_mps.msl.source), compiled at `metal_version`."""
     if isinstance(source_or_path, Path) or (
         isinstance(source_or_path, str) and "\n" not in source_or_path and source_or_path.endswith((".metal", ".h"))
     ):
         path = Path(source_or_path)
         if not path.is_file():
             raise FileNotFoundError(f"no such kernel source file: {path}")
-        return Library(path.read_text(encoding="utf-8"), name=path.name, compiler=compiler)
+        return Library(path.read_text(encoding="utf-8"), name=path.name, compiler=compiler, metal_version=metal_version)
     if not isinstance(source_or_path, str):
         raise TypeError(f"source_or_path must be MSL text or a path, got {type(source_or_path).__name__}")
-    return Library(source_or_path, name="kernel.metal", compiler=compiler)
+    return Library(source_or_path, name="kernel.metal", compiler=compiler, metal_version=metal_version)

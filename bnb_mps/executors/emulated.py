@@ -15,11 +15,18 @@ Detection settings apply to every launch of the process-wide executor; tests cha
 
 `float_mode` is the emulated GPU's float arithmetic: None (the default: $BNB_MPS_EMU_FLOAT, else
 "apple", float32 subnormals flushed to zero as on Apple GPUs) or "ieee" (bnb_mps.emulator.Library.launch).
+
+`metal_version` is the Metal language version the units compile at ("3.1", the default, "3.2" or
+"4.0"; the executor's `language_version` says it to the op layer as (major, minor)), and
+`coherence_check` runs every launch with the emulator's memory-model check (a threadgroup reading
+what another threadgroup of the dispatch wrote, where that version does not make it visible, raises
+bnb_mps.emulator.CoherenceError).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -71,32 +78,35 @@ class UnitLibraries:
         return kernel in self.units.unit_of
 
 
-_compiled: dict[str, object] = {}  # unit text -> its emulator Library, or the CompileError it raised
+_compiled: dict[tuple[str, str], object] = {}  # (unit text, Metal version) -> its Library, or its CompileError
 _compiled_lock = threading.Lock()
 _compile_lock = threading.Lock()
 
 
-def compile_unit(name: str, text: str):
-    """The emulator Library of one compile unit's text (`name`: the unit, for messages), compiled
-    once per process: a text that did not compile raises its CompileError (or PrepassError) again."""
+def compile_unit(name: str, text: str, metal_version: str = "3.1"):
+    """The emulator Library of one compile unit's text (`name`: the unit, for messages) at a Metal
+    language version, compiled once per process: a text that did not compile raises its CompileError
+    (or PrepassError) again."""
     from .. import emulator
 
+    key = (text, metal_version)
     with _compiled_lock:
-        found = _compiled.get(text)
+        found = _compiled.get(key)
     if found is None:
         try:
-            found = emulator.Library(text, name=f"{name}.metal")
+            found = emulator.Library(text, name=f"{name}.metal", metal_version=metal_version)
         except (emulator.CompileError, emulator.PrepassError) as e:
             found = e
         with _compiled_lock:
-            found = _compiled.setdefault(text, found)
+            found = _compiled.setdefault(key, found)
     if isinstance(found, Exception):
         raise found
     return found
 
 
-def unit_libraries(units: Mapping[str, str] | None = None) -> UnitLibraries:
-    """The emulator Libraries of `units` ({name: text}; default: `bnb_mps.msl.source.units()`).
+def unit_libraries(units: Mapping[str, str] | None = None, metal_version: str = "3.1") -> UnitLibraries:
+    """The emulator Libraries of `units` ({name: text}; default: `bnb_mps.msl.source.units()`) at a
+    Metal language version.
     Each unit text is compiled once per process (`compile_unit`; its module is also cached on disk by
     the emulator), so the executor and the tests share them, and pointing BNB_MPS_KERNEL_DIR at a
     copy with one changed file compiles that file's unit only. Units not compiled yet are compiled
@@ -107,8 +117,9 @@ def unit_libraries(units: Mapping[str, str] | None = None) -> UnitLibraries:
     if units is None:
         units = kernel_source.units()
     with _compile_lock:
-        missing = sum(text not in _compiled for text in units.values())
-        return UnitLibraries(CompileUnits.compile(units, compile_unit, lambda lib: lib.kernels,
+        missing = sum((text, metal_version) not in _compiled for text in units.values())
+        compile = functools.partial(compile_unit, metal_version=metal_version)
+        return UnitLibraries(CompileUnits.compile(units, compile, lambda lib: lib.kernels,
                                                   (emulator.CompileError, emulator.PrepassError),
                                                   workers=min(missing, os.cpu_count() or 1)))  # fmt: skip
 
@@ -123,9 +134,17 @@ class EmulatedExecutor:
         self.poison = 0xFF
         self.seed = 0
         self.float_mode: str | None = None
+        self.metal_version = "3.1"
+        self.coherence_check = False
         self._library: UnitLibraries | None = None
-        self._units = None  # the unit texts the library was compiled from
+        self._key = None  # the unit texts and Metal version the library was compiled from
         self._lock = threading.Lock()
+
+    @property
+    def language_version(self) -> tuple[int, int]:
+        """The Metal language version the kernels are compiled at, (major, minor)."""
+        major, minor = self.metal_version.split(".")
+        return int(major), int(minor)
 
     @property
     def unit_failures(self) -> dict[str, str]:
@@ -144,15 +163,16 @@ class EmulatedExecutor:
         except (FileNotFoundError, ValueError) as e:
             raise emulator.KernelError(f"no kernel source to run: {e}") from None
         with self._lock:
-            if self._library is None or self._units is not units:
-                self._library = unit_libraries(units)
-                self._units = units
+            key = (units, self.metal_version)
+            if self._library is None or self._key is None or self._key[0] is not units or self._key[1] != key[1]:
+                self._library = unit_libraries(units, self.metal_version)
+                self._key = key
             return self._library
 
     def launch(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg]) -> None:
         self._load().launch(kernel, grid=tuple(grid), threadgroup=tuple(threadgroup), args=args, order=self.order,
-                            race_check=self.race_check, poison=self.poison, seed=self.seed,
-                                float_mode=self.float_mode)
+                            race_check=self.race_check, poison=self.poison, seed=self.seed, float_mode=self.float_mode,
+                            coherence_check=self.coherence_check)
 
     def profile(self, kernel: str, *, grid: Dim3, threadgroup: Dim3, args: Sequence[KernelArg],
                 required_bytes: int | None = None):
@@ -185,9 +205,11 @@ def load() -> EmulatedExecutor:
 
 @contextlib.contextmanager
 def settings(*, order: str | None = None, race_check: bool | None = None, poison: int | None = None,
-             seed: int | None = None, float_mode: str | None = None) -> Iterator[EmulatedExecutor]:
-    """Temporarily changes the detection settings (and the float mode) of the process-wide executor."""
-    from ..emulator.library import FLOAT_MODES
+             seed: int | None = None, float_mode: str | None = None, metal_version: str | None = None,
+             coherence_check: bool | None = None) -> Iterator[EmulatedExecutor]:
+    """Temporarily changes the detection settings (and the float mode, the Metal language version)
+    of the process-wide executor."""
+    from ..emulator.library import FLOAT_MODES, METAL_VERSIONS
 
     if order is not None and order not in ("forward", "reverse", "random"):
         raise ValueError(f"order must be 'forward', 'reverse' or 'random', got {order!r}")
@@ -195,8 +217,10 @@ def settings(*, order: str | None = None, race_check: bool | None = None, poison
         raise ValueError(f"poison must be a byte value 0..255, got {poison!r}")
     if float_mode is not None and float_mode not in FLOAT_MODES:
         raise ValueError(f"float_mode must be 'apple' or 'ieee', got {float_mode!r}")
+    if metal_version is not None and metal_version not in METAL_VERSIONS:
+        raise ValueError(f"metal_version must be one of {sorted(METAL_VERSIONS)}, got {metal_version!r}")
     ex = load()
-    saved = (ex.order, ex.race_check, ex.poison, ex.seed, ex.float_mode)
+    saved = (ex.order, ex.race_check, ex.poison, ex.seed, ex.float_mode, ex.metal_version, ex.coherence_check)
     if order is not None:
         ex.order = order
     if race_check is not None:
@@ -207,7 +231,11 @@ def settings(*, order: str | None = None, race_check: bool | None = None, poison
         ex.seed = int(seed)
     if float_mode is not None:
         ex.float_mode = float_mode
+    if metal_version is not None:
+        ex.metal_version = metal_version
+    if coherence_check is not None:
+        ex.coherence_check = bool(coherence_check)
     try:
         yield ex
     finally:
-        ex.order, ex.race_check, ex.poison, ex.seed, ex.float_mode = saved
+        ex.order, ex.race_check, ex.poison, ex.seed, ex.float_mode, ex.metal_version, ex.coherence_check = saved

@@ -108,11 +108,14 @@ py::object fault_tuple(const bnb_emu::LaunchResult& r) {
 
 py::object run(const Module& m, const std::string& kernel, const std::vector<uint64_t>& groups,
                const std::vector<uint64_t>& group_size, const std::vector<uint64_t>& threads, py::list buffers,
-               int order, uint64_t seed, int poison, bool race_check, bool flush_subnormals) {
+               int order, uint64_t seed, int poison, bool race_check, bool flush_subnormals, bool coherence_check,
+               uint32_t metal_version) {
   bnb_emu::LaunchRequest q;
   std::vector<std::string> scalars;
   make_request(q, scalars, m, kernel, groups, group_size, threads, buffers, order, seed, poison, race_check,
                flush_subnormals);
+  q.coherence_check = coherence_check;
+  q.metal_version = metal_version;
   bnb_emu::LaunchResult r;
   {
     py::gil_scoped_release nogil;
@@ -184,7 +187,8 @@ PYBIND11_MODULE(_emu, mod) {
       .def_property_readonly("path", &Module::path);
   mod.def("launch", &run, py::arg("module"), py::arg("kernel"), py::arg("groups"), py::arg("group_size"),
           py::arg("threads"), py::arg("buffers"), py::arg("order"), py::arg("seed"), py::arg("poison"),
-          py::arg("race_check"), py::arg("flush_subnormals"));
+          py::arg("race_check"), py::arg("flush_subnormals"), py::arg("coherence_check") = false,
+          py::arg("metal_version") = 310);
   mod.def("profile", &profile, py::arg("module"), py::arg("kernel"), py::arg("groups"), py::arg("group_size"),
           py::arg("threads"), py::arg("buffers"), py::arg("order"), py::arg("seed"), py::arg("poison"),
           py::arg("race_check"), py::arg("flush_subnormals"), py::arg("counted"), py::arg("line_offsets"), py::arg("line_bytes"));

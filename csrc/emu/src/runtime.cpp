@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "context.h"
 
@@ -133,6 +134,11 @@ struct Lane {
   Worker* worker = nullptr;
   void* asan_fake = nullptr;
   bnb_emu_fiber* fiber = nullptr;  // the header of its stack
+  // Coherence check (see "Memory model" below): this lane's count of device writes and fences in
+  // the running threadgroup, the count at its last device-scope release fence, the publications its
+  // atomic reads observed, and those it acquired (observed, then ordered before an acquire fence).
+  uint32_t coh_seq = 0, coh_released = 0;
+  std::vector<uint32_t> coh_observed, coh_acquired;
 };
 
 using MatrixOp = bnb_emu_matrix_op;
@@ -176,6 +182,71 @@ struct Guard {
 struct Binding {
   char* dev = nullptr;
   size_t size = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Memory model: the coherence check (LaunchRequest::coherence_check, docs/emulator.md).
+//
+// Threadgroups of one dispatch see each other's device writes only as the Metal language version
+// promises. Below Metal 3.2 nothing is promised but an atomic's own value. From 3.2 (MSL section
+// 6.15) a write W of thread t in threadgroup G is visible to a read R of thread r in another
+// threadgroup H when the buffer is coherent(device) and
+//   W -> device-scope release fence in t -> (program order, or a threadgroup barrier of G) -> an
+//   atomic write A by a thread of G -> A's value (or a later read-modify-write's: the release
+//   sequence) read by an atomic of a thread of H -> (program order, or a threadgroup barrier of H)
+//   -> device-scope acquire fence in r -> R.
+// A fence orders its own thread's accesses only: a barrier carries a fence's effect to another
+// thread of the threadgroup, never a fence of thread 0 to the writes of the others (no Apple text
+// says barriers are cumulative at device scope). Every plain device read of a byte another
+// threadgroup wrote in the dispatch is checked against that; a read that fails it ends the dispatch
+// with BNB_EMU_COHERENCE. Reads of one's own threadgroup's writes, and of what earlier dispatches
+// wrote, are not checked. A GPU may be more forgiving than this model, never less.
+
+// The last plain write of a byte in this dispatch: its threadgroup (linear index + 1; 0: none),
+// thread (index in threadgroup) and that thread's coh_seq when it wrote. Kept packed in one 64-bit
+// word per byte (group1 in bits 32..63, thread in 22..31, seq in 0..21, saturating), written and read
+// without a lock.
+struct WriteRec {
+  uint32_t group1 = 0, thread = 0, seq = 0;
+  static constexpr uint32_t kSeqMax = (1u << 22) - 1;
+  uint64_t pack() const { return uint64_t(group1) << 32 | uint64_t(thread) << 22 | std::min(seq, kSeqMax); }
+  static WriteRec unpack(uint64_t v) {
+    return WriteRec{uint32_t(v >> 32), uint32_t(v >> 22) & 1023u, uint32_t(v) & kSeqMax};
+  }
+};
+
+// An atomic write that may publish writes of its threadgroup: each thread's writes up to its last
+// release fence ordered before the atomic (the publishing thread's own, or through a barrier).
+struct Publication {
+  uint64_t group;
+  uint32_t thread, own;  // the publishing thread and its coh_released at the atomic
+  std::shared_ptr<const std::vector<uint32_t>> released;  // per thread, at the last barrier (or null)
+};
+
+// One guarded region of device memory (bindings that overlap share one).
+struct CoherenceRegion {
+  uintptr_t lo = 0;
+  size_t size = 0;
+  std::vector<int> args;
+  std::atomic<bool> coherent{false};  // some argument of it is a coherent(device) buffer
+  // Per byte, a packed WriteRec; allocated (under Coherence::mu) at the region's first write.
+  std::unique_ptr<std::atomic<uint64_t>[]> storage;
+  std::atomic<std::atomic<uint64_t>*> shadow{nullptr};
+};
+
+struct Coherence {
+  std::mutex mu;
+  uint32_t version = 310;  // __METAL_VERSION__ of the dispatch
+  std::vector<std::unique_ptr<CoherenceRegion>> regions;
+  std::vector<Publication> pubs;
+  // Per atomic location, the publications a read of it synchronises with: the release sequence
+  // headed by its last atomic store (a plain store starts a new one; read-modify-writes extend it).
+  std::unordered_map<uintptr_t, std::vector<uint32_t>> at;
+  CoherenceRegion* region(uintptr_t a) {
+    for (auto& r : regions)
+      if (a - r->lo < r->size) return r.get();
+    return nullptr;
+  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -333,6 +404,8 @@ struct Dispatch {
   unsigned running = 0;
   std::vector<uint64_t> stalled;
   uint64_t tickets = 0;
+  // The coherence check's state (null unless the request asks for it).
+  std::unique_ptr<Coherence> coherence;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -398,6 +471,13 @@ struct Worker {
   void* asan_sched_bottom = nullptr;
   size_t asan_sched_size = 0;
   WorkerProfile* prof = nullptr;  // set for profiled dispatches
+  // Coherence check: the running threadgroup's linear index; per thread, its coh_released at the
+  // last barrier (null before the first release); the publications its threads had observed by then;
+  // the muted depth (the shim's own accesses, as for the profiler).
+  uint64_t group_linear = 0;
+  std::shared_ptr<const std::vector<uint32_t>> coh_barrier_released;
+  std::vector<uint32_t> coh_barrier_observed;
+  int coh_muted = 0;
   // Per simdgroup of the running threadgroup: its simdgroup_matrix operations since it last
   // synchronised (capacity kept across threadgroups).
   MatrixLog matrix_log[kMaxThreadsPerGroup / kSimdWidth];
@@ -414,6 +494,8 @@ struct Worker {
   void race_diff(Lane& l);
   void profile_flush(uint32_t sg);
   void profile_group_done();
+  void coherence_group_start();
+  void coherence_barrier();
   void fault_from_scheduler(int kind, const Lane* l, const char* file, int line, const char* fmt, ...)
       __attribute__((format(printf, 6, 7)));
 };
@@ -695,8 +777,172 @@ void rt_device_atomic(const void* p) {
   d->stall_cv.wait(lk, [&] { return std::find(d->stalled.begin(), d->stalled.end(), ticket) == d->stalled.end(); });
 }
 
+// --- the coherence check ("Memory model" above) ----------------------------------------------
+
+// Adds the ids of `from` to the sorted set `into`.
+void merge_ids(std::vector<uint32_t>& into, const std::vector<uint32_t>& from) {
+  if (from.empty()) return;
+  into.insert(into.end(), from.begin(), from.end());
+  std::sort(into.begin(), into.end());
+  into.erase(std::unique(into.begin(), into.end()), into.end());
+}
+
+Coherence* coherence_of(Worker* w) { return (w && w->d && w->current) ? w->d->coherence.get() : nullptr; }
+
+bool in_threadgroup_memory(const Worker* w, const void* p) {
+  auto* b = static_cast<const unsigned char*>(p);
+  return b >= w->arena && b < w->arena + kMaxThreadgroupMemory;
+}
+
+void group_position(const LaunchRequest& q, uint64_t linear, uint32_t out[3]) {
+  out[0] = uint32_t(linear % q.groups[0]);
+  out[1] = uint32_t((linear / q.groups[0]) % q.groups[1]);
+  out[2] = uint32_t(linear / (uint64_t(q.groups[0]) * q.groups[1]));
+}
+
+// Why thread `l` of worker `w`'s threadgroup may not read the byte `rec` describes (another
+// threadgroup's write), or null where the model makes the write visible.
+bool from_group(const Coherence& c, const std::vector<uint32_t>& ids, uint32_t group1) {
+  for (uint32_t id : ids)
+    if (c.pubs[id].group + 1 == group1) return true;
+  return false;
+}
+
+const char* coherence_violation(const Coherence& c, const CoherenceRegion& r, const Worker& w, const Lane& l,
+                                const WriteRec& rec) {
+  if (c.version < 320)
+    return "below Metal 3.2 nothing makes another threadgroup's device writes visible within a dispatch (only an "
+           "atomic's own value): hand the data over through a second dispatch, or compile at 3.2 with a "
+           "coherent(device) buffer and device-scope fences";
+  if (!r.coherent)
+    return "the buffer is not coherent(device): from Metal 3.2 only a coherent(device) buffer's writes can be made "
+           "visible to another threadgroup of the dispatch";
+  bool acquired_any = false;
+  for (uint32_t id : l.coh_acquired) {
+    const Publication& p = c.pubs[id];
+    if (p.group + 1 != rec.group1) continue;
+    acquired_any = true;
+    uint32_t released = p.thread == rec.thread ? p.own : 0;
+    if (p.released && rec.thread < p.released->size()) released = std::max(released, (*p.released)[rec.thread]);
+    if (released > rec.seq) return nullptr;
+  }
+  bool published = false;
+  for (const Publication& p : c.pubs) published = published || p.group + 1 == rec.group1;
+  if (acquired_any || !published)
+    return "the writing thread has no device-scope release fence (atomic_thread_fence(mem_flags::mem_device, "
+           "memory_order_release, thread_scope_device)) after this write, ordered (in that thread, or by a "
+           "threadgroup barrier) before an atomic write of its threadgroup that the reader observed; a fence orders "
+           "only its own thread's writes";
+  if (from_group(c, l.coh_observed, rec.group1) || from_group(c, w.coh_barrier_observed, rec.group1))
+    return "the reading thread has no device-scope acquire fence (atomic_thread_fence(mem_flags::mem_device, "
+           "memory_order_acquire, thread_scope_device)) after the atomic read that observed the writer's release, "
+           "ordered to it in this thread or by a threadgroup barrier; a fence orders only its own thread's reads";
+  return "no atomic read of the reading threadgroup observed the atomic write that published this write (before "
+         "this read, through a threadgroup barrier or in the reading thread)";
+}
+
+void coherence_access(Worker* w, Lane* l, uintptr_t a, size_t n, int kind) {
+  Coherence& c = *w->d->coherence;
+  CoherenceRegion* r = c.region(a);
+  if (!r || (kind != BNB_EMU_PROFILE_STORE && kind != BNB_EMU_PROFILE_LOAD)) return;
+  const size_t off = a - r->lo;
+  n = std::min(n, r->size - off);
+  const uint32_t mine = uint32_t(w->group_linear + 1);
+  std::atomic<uint64_t>* shadow = r->shadow.load(std::memory_order_acquire);
+  if (kind == BNB_EMU_PROFILE_STORE) {
+    if (!shadow) {
+      std::lock_guard<std::mutex> lk(c.mu);
+      shadow = r->shadow.load(std::memory_order_relaxed);
+      if (!shadow) {
+        r->storage.reset(new std::atomic<uint64_t>[r->size]());
+        shadow = r->storage.get();
+        r->shadow.store(shadow, std::memory_order_release);
+      }
+    }
+    const uint64_t rec = WriteRec{mine, l->index, ++l->coh_seq}.pack();
+    for (size_t i = 0; i < n; ++i) shadow[off + i].store(rec, std::memory_order_relaxed);
+    return;
+  }
+  if (!shadow) return;
+  for (size_t i = 0; i < n; ++i) {
+    const WriteRec rec = WriteRec::unpack(shadow[off + i].load(std::memory_order_relaxed));
+    if (rec.group1 == 0 || rec.group1 == mine) continue;
+    std::unique_lock<std::mutex> lk(c.mu);
+    const char* why = coherence_violation(c, *r, *w, *l, rec);
+    if (!why) continue;
+    // The argument the byte belongs to, and its offset there.
+    int arg = r->args.empty() ? -1 : r->args[0];
+    size_t at = off + i;
+    for (int k : r->args) {
+      const Binding& b = w->d->bindings[size_t(k)];
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(b.dev);
+      if (a + i - lo < b.size) {
+        arg = k;
+        at = a + i - lo;
+        break;
+      }
+    }
+    uint32_t writer[3];
+    group_position(*w->d->req, rec.group1 - 1, writer);
+    char msg[1024];
+    std::snprintf(msg, sizeof msg,
+                  "coherence: buffer(%d) byte %zu: threadgroup (%u, %u, %u) thread %u reads what threadgroup "
+                  "(%u, %u, %u) thread %u wrote in this dispatch, and Metal %u.%u does not make that write visible: %s",
+                  arg, at, l->pub.threadgroup_position_in_grid[0], l->pub.threadgroup_position_in_grid[1],
+                  l->pub.threadgroup_position_in_grid[2], l->index, writer[0], writer[1], writer[2], rec.thread,
+                  c.version / 100, c.version / 10 % 10, why);
+    lk.unlock();
+    rt_fail(BNB_EMU_COHERENCE, msg, nullptr, 0);
+  }
+}
+
+void rt_coherence_atomic(const void* p, int kind) {
+  Worker* w = t_worker;
+  Coherence* c = coherence_of(w);
+  if (!c || c->version < 320 || in_threadgroup_memory(w, p)) return;
+  Lane* l = w->current;
+  std::lock_guard<std::mutex> lk(c->mu);
+  const auto key = reinterpret_cast<uintptr_t>(p);
+  if (kind != BNB_EMU_ATOMIC_STORE) {
+    auto it = c->at.find(key);
+    if (it != c->at.end()) merge_ids(l->coh_observed, it->second);
+  }
+  if (kind == BNB_EMU_ATOMIC_READ) return;
+  std::vector<uint32_t>& sequence = c->at[key];
+  if (kind == BNB_EMU_ATOMIC_STORE) sequence.clear();
+  if (l->coh_released == 0 && !w->coh_barrier_released) return;  // publishes nothing
+  sequence.push_back(uint32_t(c->pubs.size()));
+  c->pubs.push_back(Publication{w->group_linear, l->index, l->coh_released, w->coh_barrier_released});
+}
+
+// MSL's values: mem_flags::mem_device = 1; memory_order_acquire 2, release 3, acq_rel 4, seq_cst 5;
+// thread_scope_device 3.
+void rt_fence(uint32_t flags, int order, int scope) {
+  Worker* w = t_worker;
+  Coherence* c = coherence_of(w);
+  if (!c || c->version < 320 || !(flags & 1u) || scope != 3) return;
+  Lane* l = w->current;
+  if (order == 3 || order == 4 || order == 5) l->coh_released = ++l->coh_seq;
+  if (order == 2 || order == 4 || order == 5) {
+    merge_ids(l->coh_acquired, l->coh_observed);
+    merge_ids(l->coh_acquired, w->coh_barrier_observed);
+  }
+}
+
+void rt_coherent_buffer(const void* p) {
+  Coherence* c = coherence_of(t_worker);
+  if (!c) return;
+  if (CoherenceRegion* r = c->region(reinterpret_cast<uintptr_t>(p))) r->coherent.store(true);
+}
+
 void rt_profile_access(const void* p, size_t n, int kind) {
   Worker* w = t_worker;
+  if (w && w->d && w->d->coherence) {
+    Lane* l = w->current;
+    if (l && (w->coh_muted == 0 || (kind & BNB_EMU_PROFILE_FORCED)))
+      coherence_access(w, l, reinterpret_cast<uintptr_t>(p), n, kind & BNB_EMU_PROFILE_KIND_MASK);
+    return;
+  }
   if (!w || !w->prof) return;
   Lane* l = w->current;
   if (!l || (w->prof->muted > 0 && !(kind & BNB_EMU_PROFILE_FORCED))) return;
@@ -714,6 +960,7 @@ void rt_profile_access(const void* p, size_t n, int kind) {
 void rt_profile_mute(int on) {
   Worker* w = t_worker;
   if (w && w->prof && w->current) w->prof->muted += on ? 1 : -1;
+  if (w && w->d && w->d->coherence && w->current) w->coh_muted += on ? 1 : -1;
 }
 
 // The profiler's window (bnb_emu_profile_window), set by Pool::run for the dispatch it runs.
@@ -727,6 +974,7 @@ const bnb_emu_runtime g_table = {
     rt_threadgroup_access, rt_fail, rt_profile_access,
     rt_profile_mute,      &g_window,   rt_matrix_op,
     &g_dispatch,           stack_align(),   rt_device_atomic,
+    rt_coherence_atomic,   rt_fence,        rt_coherent_buffer,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1044,10 +1292,37 @@ bool Worker::resolve_barrier() {
     for (uint32_t sg = 0; sg < nsg_of(nlanes); ++sg) profile_flush(sg);
     ++prof->group_barriers;
   }
+  if (d->coherence) coherence_barrier();
   for (uint32_t i = 0; i < nlanes; ++i)
     if (lanes[i].state == AT_BARRIER) lanes[i].state = RUNNABLE;
   if (d->req->race_check) race.clear(arena_used);
   return true;
+}
+
+// A threadgroup barrier carries each thread's last release fence and what its atomics observed to
+// every thread of the threadgroup ("Memory model").
+void Worker::coherence_barrier() {
+  bool released = false;
+  for (uint32_t i = 0; i < nlanes; ++i) {
+    released = released || lanes[i].coh_released != 0;
+    merge_ids(coh_barrier_observed, lanes[i].coh_observed);
+  }
+  if (!released) return;
+  auto v = std::make_shared<std::vector<uint32_t>>(nlanes);
+  for (uint32_t i = 0; i < nlanes; ++i) (*v)[i] = lanes[i].coh_released;
+  coh_barrier_released = std::move(v);
+}
+
+void Worker::coherence_group_start() {
+  for (uint32_t i = 0; i < nlanes; ++i) {
+    Lane& l = lanes[i];
+    l.coh_seq = l.coh_released = 0;
+    l.coh_observed.clear();
+    l.coh_acquired.clear();
+  }
+  coh_barrier_released.reset();
+  coh_barrier_observed.clear();
+  coh_muted = 0;
 }
 
 // The i-th threadgroup a dispatch runs: in grid order (forward), backwards (reverse), or in an order
@@ -1169,6 +1444,8 @@ bool Worker::run_group(uint64_t linear) {
   sg_order.resize(nsg);
   for (uint32_t sg = 0; sg < nsg; ++sg) sg_order[sg] = reverse ? nsg - 1 - sg : sg;
   rng = q.seed * 0x2545F4914F6CDD1Dull + linear;
+  group_linear = linear;
+  if (d->coherence) coherence_group_start();
   if (prof) {
     ++prof->token;
     prof->group_barriers = 0;
@@ -1657,8 +1934,28 @@ LaunchResult launch(const LaunchRequest& q) {
       window.threadgroup_lo = pool().arenas();
       window.threadgroup_size = pool().size() * kMaxThreadgroupMemory;
     }
+    if (q.coherence_check) {
+      auto c = std::make_unique<Coherence>();
+      c->version = q.metal_version;
+      uintptr_t lo = UINTPTR_MAX, hi = 0;
+      for (const Guard& g : d.guards) {
+        if (!g.size) continue;
+        auto r = std::make_unique<CoherenceRegion>();
+        r->lo = g.data_end - g.size;
+        r->size = g.size;
+        r->args = g.args;
+        lo = std::min(lo, r->lo);
+        hi = std::max(hi, r->lo + r->size);
+        c->regions.push_back(std::move(r));
+      }
+      if (hi > lo) {
+        window.buffers_lo = lo;
+        window.buffers_size = hi - lo;
+      }
+      d.coherence = std::move(c);
+    }
     install_handlers();
-    pool().run(&d, q.profiling ? &window : nullptr);
+    pool().run(&d, q.profiling || q.coherence_check ? &window : nullptr);
     if (d.have_fault) {
       RawFault& f = d.fault;
       res.kind = f.kind;

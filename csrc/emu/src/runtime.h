@@ -62,6 +62,10 @@ struct LaunchRequest {
   // Float arithmetic as on Apple GPUs: float32 subnormal inputs and results flush to zero (fp16
   // keeps its subnormals). False runs IEEE arithmetic, for comparison.
   bool flush_subnormals = true;
+  // The coherence check (runtime.cpp, "Memory model"): needs a module built with BNB_EMU_PROFILE
+  // (its loads and stores instrumented); metal_version is __METAL_VERSION__ (310, 320, 400).
+  bool coherence_check = false;
+  uint32_t metal_version = 310;
   // Profiling: needs a module built with BNB_EMU_PROFILE; one entry per buffer.
   bool profiling = false;
   uint32_t line_bytes = 128;

@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BNB_EMU_ABI_VERSION 7
+#define BNB_EMU_ABI_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -50,11 +50,16 @@ enum {
   BNB_EMU_UNBOUND_BUFFER = 6,
   BNB_EMU_MEMORY_FAULT = 7,
   BNB_EMU_STACK_OVERFLOW = 8,
-  BNB_EMU_KERNEL_ERROR = 9
+  BNB_EMU_KERNEL_ERROR = 9,
+  BNB_EMU_COHERENCE = 10
 };
 
 /* Race-checker access kinds (only called by modules built with BNB_EMU_RACE_CHECK). */
 enum { BNB_EMU_ACCESS_READ = 0, BNB_EMU_ACCESS_ATOMIC = 1 };
+
+/* Atomic operations reported to the coherence check (coherence_atomic): what the operation did to
+ * its location. A read-modify-write that did not write (a failed compare-exchange) is a READ. */
+enum { BNB_EMU_ATOMIC_READ = 0, BNB_EMU_ATOMIC_STORE = 1, BNB_EMU_ATOMIC_RMW = 2 };
 
 /* Profiler access kinds (only called by modules built with BNB_EMU_PROFILE). FORCED: record the
  * access even while the lane is muted (the shim reports what an operation it emulates with other
@@ -151,6 +156,13 @@ typedef struct bnb_emu_runtime {
    * (not threadgroup memory) and the dispatch is not profiled, the lane's threadgroup may be stalled
    * there while other threadgroups run (rt_device_atomic in runtime.cpp). Not a yield point. */
   void (*device_atomic)(const void* p);
+  /* Coherence check (docs/emulator.md, "Memory model"): the calling lane's atomic operation at `p`
+   * (a BNB_EMU_ATOMIC_* kind), called before device_atomic. Ignored outside a checked dispatch. */
+  void (*coherence_atomic)(const void* p, int kind);
+  /* atomic_thread_fence(flags, order, scope) of the calling lane (MSL's enum values). */
+  void (*fence)(uint32_t flags, int order, int scope);
+  /* The calling lane took a coherent(device) buffer argument bound at `p`. */
+  void (*coherent_buffer)(const void* p);
 } bnb_emu_runtime;
 
 typedef void (*bnb_emu_kernel_fn)(void);

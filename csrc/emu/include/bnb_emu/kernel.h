@@ -18,11 +18,14 @@ struct no_index_maker {
 };
 inline constexpr no_index_maker no_index{};
 
-// Converts to whatever the parameter is: `device T*` or `constant T&`.
+// Converts to whatever the parameter is: `device T*` or `constant T&`. A `coherent(device)`
+// parameter is a volatile pointer here (prelude.h): taking one tells the coherence check that the
+// buffer is coherent in this dispatch.
 struct buffer_value {
   void* p;
   template <class T>
   operator T*() const {
+    if constexpr (std::is_volatile<T>::value) rt->coherent_buffer(p);
     return static_cast<T*>(p);
   }
   template <class T, std::enable_if_t<!std::is_pointer<T>::value, int> = 0>

@@ -23,6 +23,11 @@
 #define constant
 #endif
 #define METAL_FUNC inline
+// Metal 3.2's coherent(device) (and coherent(system)) pointee qualifier: a volatile pointee here, so
+// that a kernel taking such a buffer reports it (kernel.h, buffer_value) and a coherent pointer does
+// not convert to a plain one, as in MSL. Compiled at every language version: the coherence check,
+// not the compiler, is what makes it mean nothing below 3.2.
+#define coherent(scope) volatile
 
 // Parameter attributes -> default arguments.
 #define buffer(n) maybe_unused]] = ::metal::emu::buffer_binding{uint32_t(n), __FILE__, __LINE__}[::metal::emu::no_index[0

@@ -687,6 +687,9 @@ inline T* atomic_ptr(const volatile atomic<T>* a, int kind = BNB_EMU_PROFILE_ATO
 // After an atomic that wrote: where `a` is device memory, the runtime may stall the threadgroup here
 // while the dispatch's other threadgroups run (rt_device_atomic in runtime.cpp, docs/emulator.md).
 inline void wrote(const volatile void* a) { rt->device_atomic(const_cast<const void*>(a)); }
+// What an atomic operation did to its location, for the coherence check (a read, a store, or a
+// read-modify-write that wrote); before `wrote`.
+inline void atomic_event(const volatile void* a, int kind) { rt->coherence_atomic(const_cast<const void*>(a), kind); }
 
 template <class T, class F>
 inline T atomic_update(const volatile atomic<T>* a, F f) {
@@ -695,6 +698,7 @@ inline T atomic_update(const volatile atomic<T>* a, F f) {
   T old = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (!__atomic_compare_exchange_n(p, &old, f(old), true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
   }
+  atomic_event(a, BNB_EMU_ATOMIC_RMW);
   wrote(a);
   return old;
 }
@@ -704,17 +708,21 @@ template <class T, class U>
 inline void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
   BNB_EMU_PROFILE_MUTE;
   __atomic_store_n(emu::atomic_ptr(a, BNB_EMU_PROFILE_STORE), T(v), __ATOMIC_SEQ_CST);
+  emu::atomic_event(a, BNB_EMU_ATOMIC_STORE);
   emu::wrote(a);
 }
 template <class T>
 inline T atomic_load_explicit(const volatile atomic<T>* a, memory_order) {
   BNB_EMU_PROFILE_MUTE;
-  return __atomic_load_n(emu::atomic_ptr(a, BNB_EMU_PROFILE_LOAD), __ATOMIC_SEQ_CST);
+  const T v = __atomic_load_n(emu::atomic_ptr(a, BNB_EMU_PROFILE_LOAD), __ATOMIC_SEQ_CST);
+  emu::atomic_event(a, BNB_EMU_ATOMIC_READ);
+  return v;
 }
 template <class T, class U>
 inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
   BNB_EMU_PROFILE_MUTE;
   const T old = __atomic_exchange_n(emu::atomic_ptr(a), T(v), __ATOMIC_SEQ_CST);
+  emu::atomic_event(a, BNB_EMU_ATOMIC_RMW);
   emu::wrote(a);
   return old;
 }
@@ -740,10 +748,12 @@ inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expe
   BNB_EMU_PROFILE_MUTE;
   if (emu::spurious_failure()) {
     *expected = __atomic_load_n(const_cast<T*>(&a->value), __ATOMIC_SEQ_CST);
+    emu::atomic_event(a, BNB_EMU_ATOMIC_READ);
     return false;
   }
   const bool swapped = __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false,
                                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  emu::atomic_event(a, swapped ? BNB_EMU_ATOMIC_RMW : BNB_EMU_ATOMIC_READ);
   if (swapped) emu::wrote(a);
   return swapped;
 }
@@ -753,6 +763,7 @@ inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* a, T* ex
   BNB_EMU_PROFILE_MUTE;
   const bool swapped = __atomic_compare_exchange_n(emu::atomic_ptr(a), expected, T(desired), false,
                                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  emu::atomic_event(a, swapped ? BNB_EMU_ATOMIC_RMW : BNB_EMU_ATOMIC_READ);
   if (swapped) emu::wrote(a);
   return swapped;
 }
@@ -770,8 +781,14 @@ BNB_EMU_ATOMIC_RMW(atomic_fetch_xor_explicit, old ^ v)
 BNB_EMU_ATOMIC_RMW(atomic_fetch_min_explicit, v < old ? v : old)
 BNB_EMU_ATOMIC_RMW(atomic_fetch_max_explicit, old < v ? v : old)
 #undef BNB_EMU_ATOMIC_RMW
-inline void atomic_thread_fence(mem_flags, memory_order, thread_scope = thread_scope_device) {
+// Metal 3.2's fence (MSL section 6.15): with memory_order_release (acq_rel, seq_cst) and
+// thread_scope_device it orders this thread's earlier device writes before its later atomic writes
+// for every thread of the device; with memory_order_acquire (acq_rel, seq_cst), its earlier atomic
+// reads before its later device reads. The coherence check models that (runtime.cpp, "Memory
+// model"); the host fence only keeps the CPU's own order.
+inline void atomic_thread_fence(mem_flags flags, memory_order order, thread_scope scope = thread_scope_device) {
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  emu::rt->fence(uint(flags), int(order), int(scope));
 }
 
 }  // namespace metal
