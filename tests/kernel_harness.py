@@ -18,8 +18,11 @@ class EmulatedExecutor:
 
     name = "emulated"
 
-    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0, *, checked=False, float_mode=None):
+    def __init__(self, lib, order="forward", race_check=False, poison=0xFF, seed=0, *, checked=False, float_mode=None,
+                 language_version=(3, 1)):  # fmt: skip
         self.lib, self.order, self.race_check, self.poison, self.seed = lib, order, race_check, poison, seed
+        #: the Metal language version `lib` was compiled at (the session's `library`: the emulator's default)
+        self.language_version = language_version
         self.checked = checked
         self.float_mode = float_mode  # "apple", "ieee", or None: the emulator's default (bnb_mps.emulator.Library.launch)
         self.launches: list[str] = []

@@ -4,7 +4,9 @@ Route names (what `bnb_mps.tuning_table()` and the `tune` command show):
 
     gemv, batch, mma      the kernel paths of the 4-bit products (bnb_mps.ops.matmul_4bit)
     <path>/<variant>      a kernel variant of a path: gemv/tglut, the gemv kernel with its 16-entry
-                          table in threadgroup memory instead of constant memory
+                          table in threadgroup memory instead of constant memory; splitk/two, the
+                          split-K product in two dispatches (every Metal version; "splitk", one
+                          dispatch, only where the tier compiles Metal >= 3.2)
     kernel                bnb-mps' kernel of an op that has one path
     torch._int_mm         int8_linear_matmul as torch._int_mm, where torch runs it on the device (mps:
                           torch >= 2.15)
@@ -18,8 +20,10 @@ gemm_4bit, bitsandbytes); the 4-bit and 8-bit blockwise quantize and dequantize 
 optimizer (kernel, bitsandbytes); int8_linear_matmul (kernel, torch._int_mm). Every other op has its
 kernel alone. A route other than the
 built-in one is a candidate only where the kernel families it runs passed first-use verification
-(`Candidate.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify). The built-in `splitk` path
-gives way to `small` where its family did not pass (FALLBACK).
+(`Candidate.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify). The built-in split-K paths
+give way to `small` where their family did not pass (FALLBACK). Which paths a call has depends on the
+Metal language version of the tier's kernels (bnb_mps.ops.plan.language_version_of), which the cache
+key of tuning's choices holds (bnb_mps.ops.verify.cache_key).
 
 The shape key says what a choice holds for: the op, the activations' dtype, N, K, blocksize,
 quant_type, nested block scales or not, bias or not, and M (rows of A) rounded up to a power of two
@@ -41,7 +45,7 @@ import torch
 from ..executors import GPU_TIERS, shader
 from . import verify
 from .dequantize_linear import DequantizeLinear
-from .plan import BoundPlan
+from .plan import BoundPlan, language_version_of
 from .registry import OpDef, argument_spec
 from .served import IntMM, Stock, Unplanned
 
@@ -55,12 +59,12 @@ _MATMUL = ("gemm_4bit", "gemv_4bit", "gemv_4bit.out")
 PATH_FAMILIES = {"gemv": ("matmul_4bit_gemv",), "gemv/tglut": ("matmul_4bit_tglut",),
                  "batch": ("matmul_4bit_batch",), "small": ("matmul_4bit_small",),
                  "small/wide": ("matmul_4bit_small_wide",), "splitk": ("matmul_4bit_splitk",),
-                 "mma": ("matmul_4bit_mma",)}  # fmt: skip
+                 "splitk/two": ("matmul_4bit_splitk_two",), "mma": ("matmul_4bit_mma",)}  # fmt: skip
 
 #: a built-in path whose kernel family is not one of its ops' gate (bnb_mps.ops.verify.families) -> the
 #: path that serves its calls where that family did not pass first-use verification: the split-K
-#: kernel's threadgroups meet through device memory, which only the user's GPU can show to hold
-FALLBACK = {"splitk": "small"}
+#: kernels' threadgroups meet through device memory, which only the user's GPU can show to hold
+FALLBACK = {"splitk": "small", "splitk/two": "small"}
 
 #: rows of A are rounded up to a power of two up to this; more rows make one bucket above it,
 #: measured at this many rows (the routes are throughput-bound there and rank alike)
@@ -104,7 +108,8 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
     `verified` (as for tuning.choose): a built-in path of FALLBACK whose family did not pass first-use
     verification on `tier` gives way to its fallback, which becomes the built-in route."""
     planned = op.planned
-    paths = planned.paths(*args) if planned is not None and planned.paths is not None else ("kernel",)
+    version = language_version_of(executor) if planned is not None and planned.versioned else None
+    paths = planned.path_names(args, version) if planned is not None else ("kernel",)
     builtin = paths[0]  # (what the planner plans without a route)
     if verified and builtin in FALLBACK and verify.unverified(PATH_FAMILIES[builtin], tier, executor):
         paths = (FALLBACK[builtin], *(p for p in paths if p != FALLBACK[builtin]))
@@ -116,7 +121,7 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
         def build(a: Sequence):
             if planned is None:  # (an op without a planner: its kernel function)
                 return Unplanned(op.name, op.kernel, executor, tier)
-            return BoundPlan(planned.plan(a, route), executor, counted, planned.dynamic)
+            return BoundPlan(planned.plan(a, route, version), executor, counted, planned.dynamic)
 
         return Candidate(path, PATH_FAMILIES.get(path, ()), build)
 

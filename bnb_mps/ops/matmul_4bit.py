@@ -101,8 +101,9 @@ def check_gemm_4bit(
 
 # -- kernels --------------------------------------------------------------------------------------
 #
-# One launch per call, of one of five kernels of csrc/kernels/gemm_4bit.metal, chosen from the
-# shapes alone (M = rows of A, N = rows of the weight, K = its columns):
+# One launch per call (two on the two-dispatch split-K path), of one of five kernels of
+# csrc/kernels/gemm_4bit.metal and gemm_4bit_splitk.metal, chosen from the shapes and the tier's Metal
+# language version alone (M = rows of A, N = rows of the weight, K = its columns):
 #
 #   gemv    M <= GEMV_MAX_M           decode: bandwidth-bound, one pass over the weight with the
 #                                     activations in registers (the MLX qmv_fast design)
@@ -110,7 +111,11 @@ def check_gemm_4bit(
 #           K >= SPLITK_MIN_K         prompts): one pass over the weight for all M rows; tiles of 16 S
 #                                     columns, K cut into S slices, one threadgroup per tile and slice,
 #                                     the partial sums added in slice order by the tile's last
-#                                     threadgroup (a per-device workspace, not a per-call allocation)
+#                                     threadgroup (a per-device workspace, not a per-call allocation);
+#                                     only where the kernels are compiled at Metal >= 3.2, the first
+#                                     version that makes one threadgroup's writes visible to another
+#                                     of the same dispatch. "splitk/two": the same partial sums in one
+#                                     dispatch, added in a second (every version)
 #   small   M <= SMALL_MAX_M          the same below K = 512: 16 weight rows per threadgroup over the
 #                                     whole of K, the rows of A staged in threadgroup memory
 #   mma     larger M                  prefill / training: simdgroup_matrix tiles, the weight tile
@@ -149,7 +154,19 @@ SMALL_MAX_M = 32
 #: lane per step of the gemv, batch, small and split-K kernels; the mma kernel addresses nibbles one by
 #: one)
 PATH_K_MULTIPLE = {"gemv": 32, "gemv/tglut": 32, "batch": 16, "small": 16, "small/wide": 16, "splitk": 16,
-                   "mma": 1}
+                   "splitk/two": 16, "mma": 1}
+
+#: the one-dispatch split-K kernel's hand-over between threadgroups needs this Metal language version
+#: (coherent(device) and device-scope fences); below it the kernel is not compiled and the two-dispatch
+#: split-K path takes its place
+HANDOVER_LANGUAGE_VERSION = (3, 2)
+SPLITK_PATHS = ("splitk", "splitk/two")
+
+
+def handover(language_version: Optional[tuple]) -> bool:
+    """Whether kernels compiled at `language_version` ((major, minor); None: unknown) have the one-dispatch
+    split-K kernel."""
+    return language_version is not None and tuple(language_version) >= HANDOVER_LANGUAGE_VERSION
 
 # Rows of A up to which the gemv and batch kernels are worth measuring against the others: the gemv
 # kernel reads the whole weight once per row of A, the batch kernel once per 8 rows, the small and
@@ -172,14 +189,16 @@ _OFFSET_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FLAG_BIAS, _FLAG_AVEC = 1, 2
 
 
-def choose_path(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1, blocksize: int = 64) -> str:
-    """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "splitk", "small", "batch" or
-    "mma" (from the shapes, A's element size and the weight's scales: `scale_bytes` a block of
-    `blocksize`, 1 for nested 8-bit codes, 4 for float32 absmax). For 2 <= M <= 32 from K = 512, the
-    one of the split-K and small kernels the cost model charges less, summed over the M of M's tuning
-    bucket (powers of two: every M of a bucket has the same built-in route): the split-K kernel but
-    where a row's cuts share lines (K % 256 != 0 with phases that do not divide S) or float32 absmax
-    is read by every slice, at M = 2 to 4 (docs/small-batch.md)."""
+def choose_path(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1, blocksize: int = 64,
+                language_version: Optional[tuple] = None) -> str:  # fmt: skip
+    """The built-in kernel for an [M, K] x [N, K]^T product: "gemv", "splitk", "splitk/two", "small",
+    "batch" or "mma" (from the shapes, A's element size, the weight's scales: `scale_bytes` a block of
+    `blocksize`, 1 for nested 8-bit codes, 4 for float32 absmax, and the Metal language version of the
+    tier's kernels). For 2 <= M <= 32 from K = 512, the one of the split-K paths the tier has (the
+    one-dispatch kernel from Metal 3.2: `handover`) and the small kernel that the cost model charges
+    least, summed over the M of M's tuning bucket (powers of two: every M of a bucket has the same
+    built-in route): a split-K path but where a row's cuts share lines (K % 256 != 0 with phases that
+    do not divide S) or float32 absmax is read by every slice, at M = 2 to 4 (docs/small-batch.md)."""
     if M <= GEMV_MAX_M and K % PATH_K_MULTIPLE["gemv"] == 0:
         return "gemv"
     if M <= SMALL_MAX_M and K % PATH_K_MULTIPLE["small"] == 0:
@@ -187,34 +206,39 @@ def choose_path(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1,
             return "batch"  # (M = 1 with K % 32 == 16: the gemv kernel's walk, 8 rows)
         if K < SPLITK_MIN_K:
             return "small"
-        return small_batch.built_in(M, K, itemsize, scale_bytes, blocksize)
+        return small_batch.built_in(M, K, itemsize, scale_bytes, blocksize, handover(language_version))
     return "mma"
 
 
-def paths(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1, blocksize: int = 64) -> tuple[str, ...]:
+def paths(M: int, N: int, K: int, itemsize: int = 2, scale_bytes: int = 1, blocksize: int = 64,
+          language_version: Optional[tuple] = None) -> tuple[str, ...]:  # fmt: skip
     """The kernel routes worth measuring for an [M, K] x [N, K]^T product, the built-in one
-    (`choose_path`, which also takes A's element size and the weight's scales) first. An empty product
-    has only the built-in one."""
-    default = choose_path(M, N, K, itemsize, scale_bytes, blocksize)
+    (`choose_path`, which also takes A's element size, the weight's scales and the language version)
+    first. The one-dispatch split-K kernel only from Metal 3.2 (`handover`). An empty product has only
+    the built-in one."""
+    default = choose_path(M, N, K, itemsize, scale_bytes, blocksize, language_version)
     if M == 0 or N == 0 or K == 0:
         return (default,)
     valid = [p for p, limit in (("gemv", GEMV_CANDIDATE_MAX_M), ("gemv/tglut", GEMV_CANDIDATE_MAX_M),
                                 ("batch", BATCH_CANDIDATE_MAX_M), ("small", SMALL_MAX_M),
-                                ("small/wide", SMALL_MAX_M), ("splitk", SMALL_MAX_M), ("mma", None))
+                                ("small/wide", SMALL_MAX_M), ("splitk", SMALL_MAX_M), ("splitk/two", SMALL_MAX_M),
+                                ("mma", None))
              if (limit is None or M <= limit) and K % PATH_K_MULTIPLE[p] == 0
-             and (p != "splitk" or K >= SPLITK_MIN_K)]  # fmt: skip
+             and (p not in SPLITK_PATHS or K >= SPLITK_MIN_K) and (p != "splitk" or handover(language_version))]  # fmt: skip
     return (default, *(p for p in valid if p != default))
 
 
-def _gemm_paths(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, *rest) -> tuple[str, ...]:
+def _gemm_paths(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, *rest,
+                language_version: Optional[tuple] = None) -> tuple[str, ...]:  # fmt: skip
     """`paths` of a gemm_4bit call (its arguments in schema order)."""
     scales = 1 if absmax_8bit is not None else absmax.element_size()
-    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1], A.element_size(), scales, blocksize)
+    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1], A.element_size(), scales, blocksize, language_version)
 
 
-def _gemv_paths(A, B, shapeB, absmax, code, blocksize, *rest) -> tuple[str, ...]:
+def _gemv_paths(A, B, shapeB, absmax, code, blocksize, *rest, language_version: Optional[tuple] = None) -> tuple[str, ...]:
     """`paths` of a gemv_4bit call (float32 absmax, no nested scales)."""
-    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1], A.element_size(), absmax.element_size(), blocksize)
+    return paths(math.prod(A.shape[:-1]), shapeB[0], shapeB[1], A.element_size(), absmax.element_size(), blocksize,
+                 language_version)  # fmt: skip
 
 
 def _rows_copy(A: torch.Tensor) -> torch.Tensor:
@@ -246,9 +270,10 @@ def _constant_copy(code: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, code, bias,
-                   nested: Optional[tuple], route: Optional[str]) -> None:  # fmt: skip
-    """out[..., N] = A @ dequant(B).T (+ bias): one kernel launch (none for empty products), of the
-    kernel path `route` (a name of PATH_K_MULTIPLE; None: the built-in one, `choose_path`).
+                   nested: Optional[tuple], route: Optional[str], language_version: Optional[tuple]) -> None:  # fmt: skip
+    """out[..., N] = A @ dequant(B).T (+ bias): one kernel launch (two on "splitk/two"; none for empty
+    products), of the kernel path `route` (a name of PATH_K_MULTIPLE; None: the built-in one,
+    `choose_path`) among the kernels compiled at `language_version`.
 
     Arguments are at the schema positions A = 0, B = 1, absmax = 3; `code` and `bias` are
     (position, tensor) or None; `nested` is ((position, tensor) of absmax_8bit, absmax_code,
@@ -256,11 +281,15 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
     N, K = shapeB
     M = math.prod(A.shape[:-1])
     scale_bytes = 1 if nested is not None else absmax.element_size()  # (a block's scale: a code, or a float32)
-    path = choose_path(M, N, K, A.element_size(), scale_bytes, blocksize) if route is None else route
+    path = choose_path(M, N, K, A.element_size(), scale_bytes, blocksize, language_version) if route is None else route
     if path not in PATH_K_MULTIPLE or K % PATH_K_MULTIPLE[path]:
         raise ValueError(f"{b.op}: route {path!r} cannot compute a product with K = {K} (routes: "
                          f"{', '.join(f'{p} (K % {k} == 0)' for p, k in PATH_K_MULTIPLE.items())})")
-    if (path.startswith("small") or path == "splitk") and M > SMALL_MAX_M:
+    if path == "splitk" and not handover(language_version):
+        have = "an unknown version" if language_version is None else "Metal {}.{}".format(*language_version)
+        raise ValueError(f"{b.op}: route 'splitk' needs kernels compiled at Metal >= 3.2 (this tier's are "
+                         f"{have}); 'splitk/two' computes the same at every version")
+    if (path.startswith("small") or path in SPLITK_PATHS) and M > SMALL_MAX_M:
         raise ValueError(f"{b.op}: route {path!r} computes at most {SMALL_MAX_M} rows of A, got M = {M}")
     if M == 0 or N == 0 or K == 0:  # K == 0: an empty sum, only the bias (see _empty_sum)
         return
@@ -298,17 +327,21 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
         variant, rows = ("_wide", _ROWS_PER_TG) if path == "small/wide" else ("", _SMALL_ROWS_PER_TG)
         name = f"bnb_gemm_4bit_small{variant}_{sc}_{dt}"
         grid, threads = (math.ceil(N / rows), 1, 1), (8 * rows, 1, 1)
-    elif path == "splitk":
-        name = f"bnb_gemm_4bit_splitk_{sc}_{dt}"
+    elif path in SPLITK_PATHS:
         S = splitk_splits(M, K, A.element_size(), scale_bytes, blocksize)
         tiles = math.ceil(N / (_SMALL_ROWS_PER_TG * S))
         grid, threads = (splitk_threadgroups(N, S), 1, 1), (128, 1, 1)
         partials = tiles * S * M * _SMALL_ROWS_PER_TG * S
         check_size(b.op, "the split-K workspace", partials)
         work = b.workspace("splitk partial sums", partials, torch.float32)
-        counters = b.workspace("splitk counters", tiles, torch.int32, zeroed=True)
-        b.n_dynamic = 1  # (the call's tag, `_call_tag`)
-        extra = [uint32(S), work, counters, b.dynamic(0)]
+        if path == "splitk":
+            name = f"bnb_gemm_4bit_splitk_{sc}_{dt}"
+            counters = b.workspace("splitk counters", tiles, torch.int32, zeroed=True)
+            b.n_dynamic = 1  # (the call's tag, `_call_tag`)
+            extra = [uint32(S), work, counters, b.dynamic(0)]
+        else:
+            name = f"bnb_gemm_4bit_splitk_partial_{sc}_{dt}"
+            extra = [uint32(S), work]
     else:
         name = f"bnb_gemm_4bit_mma_{sc}_{dt}"
         grid, threads = (math.ceil(M / _MMA_BM), math.ceil(N / _MMA_BN), 1), (128, 1, 1)
@@ -320,6 +353,13 @@ def _matmul_launch(b: PlanBuilder, out, A, B, shapeB, absmax, blocksize, table, 
             uint32(_TABLES[table]), uint32(offset_kind), uint32(flags), *extra,
         ],
     )  # fmt: skip
+    if path == "splitk/two":  # (encoded after the partial sums on the same stream: Metal orders the two)
+        chunks = math.ceil(M * _SMALL_ROWS_PER_TG * S / _SPLITK_SUM_THREADS)
+        b.launch(f"bnb_gemm_4bit_splitk_sum_{dt}", (tiles, chunks, 1), (_SPLITK_SUM_THREADS, 1, 1),
+                 [work, bias_ref, out, uint32(M), uint32(N), uint32(flags), uint32(S)])
+
+
+_SPLITK_SUM_THREADS = 128  # threads per threadgroup of the split-K sum kernel, an output each
 
 
 # Metal wants buffers of the constant address space at offsets aligned to the GPU family's minimum
@@ -356,28 +396,31 @@ def _call_tag(args, base) -> tuple:
     return (uint32(workspace.next_tag()),)
 
 
-@planner("gemm_4bit", paths=_gemm_paths, dynamic=_call_tag)
+@planner("gemm_4bit", paths=_gemm_paths, dynamic=_call_tag, versioned=True)
 def plan_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
-                   absmax_offset=None, *, route: Optional[str] = None) -> Plan:  # fmt: skip
+                   absmax_offset=None, *, route: Optional[str] = None,
+                   language_version: Optional[tuple] = None) -> Plan:  # fmt: skip
     b = PlanBuilder(A.device, "gemm_4bit")
     out = _output(b, A, shapeB)
     nested = None if absmax_8bit is None else ((7, absmax_8bit), (8, absmax_code), (9, absmax_offset))
     _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, quant_type, None,
-                   (6, bias) if bias is not None else None, nested, route)  # fmt: skip
+                   (6, bias) if bias is not None else None, nested, route, language_version)  # fmt: skip
     finish = _empty_sum(_first_output, 6 if bias is not None else None) if shapeB[1] == 0 else None
     return b.build(result=out, finish=finish)
 
 
-@planner("gemv_4bit", paths=_gemv_paths, dynamic=_call_tag)
-def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize, *, route: Optional[str] = None) -> Plan:
+@planner("gemv_4bit", paths=_gemv_paths, dynamic=_call_tag, versioned=True)
+def plan_gemv_4bit(A, B, shapeB, absmax, code, blocksize, *, route: Optional[str] = None,
+                   language_version: Optional[tuple] = None) -> Plan:  # fmt: skip
     b = PlanBuilder(A.device, "gemv_4bit")
     out = _output(b, A, shapeB)
-    _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None, route)
+    _matmul_launch(b, out, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None, route, language_version)
     return b.build(result=out, finish=_empty_sum(_first_output, None) if shapeB[1] == 0 else None)
 
 
-@planner("gemv_4bit.out", paths=_gemv_paths, dynamic=_call_tag)
-def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out, *, route: Optional[str] = None) -> Plan:
+@planner("gemv_4bit.out", paths=_gemv_paths, dynamic=_call_tag, versioned=True)
+def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out, *, route: Optional[str] = None,
+                       language_version: Optional[tuple] = None) -> Plan:  # fmt: skip
     b = PlanBuilder(A.device, "gemv_4bit.out")
     N, K = shapeB
     check_size(b.op, "shapeB", N * K)
@@ -385,7 +428,7 @@ def plan_gemv_4bit_out(A, B, shapeB, absmax, code, blocksize, out, *, route: Opt
     # The kernels store the output element by element: any contiguous `out` is written in place
     # (whatever its alignment); other layouts go through a contiguous temporary.
     target = out_arg(b, 6, out, any_alignment=True)
-    _matmul_launch(b, target, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None, route)
+    _matmul_launch(b, target, A, B, shapeB, absmax, blocksize, "code", (4, code), None, None, route, language_version)
     return b.build(finish=_empty_sum(lambda args, outs: args[6], None) if K == 0 else None)
 
 

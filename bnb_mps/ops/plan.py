@@ -330,14 +330,43 @@ class Planned:
     #: paths(*args) -> the kernel paths (route names) worth measuring for a call, the built-in one
     #: first (ops with several paths; their planner takes one as `route=`); None: one path
     paths: Optional[Callable[..., tuple]] = None
+    #: whether the planner and `paths` take the tier's Metal language version (`language_version=`,
+    #: (major, minor) or None: unknown), on which the kernels an op may launch depend
+    versioned: bool = False
 
-    def plan(self, args: Sequence, route: Optional[str] = None) -> Plan:
+    def plan(self, args: Sequence, route: Optional[str] = None, language_version: Optional[tuple] = None) -> Plan:
         """The plan of a call (arguments in schema order, defaults filled) on kernel path `route`
-        (None: the built-in one)."""
-        return self.planner(*args) if route is None else self.planner(*args, route=route)
+        (None: the built-in one), for kernels compiled at `language_version`."""
+        kwargs = {} if route is None else {"route": route}
+        if self.versioned:
+            kwargs["language_version"] = language_version
+        return self.planner(*args, **kwargs)
+
+    def path_names(self, args: Sequence, language_version: Optional[tuple] = None) -> tuple:
+        """`paths` of a call at `language_version` (("kernel",) for an op of one path)."""
+        if self.paths is None:
+            return ("kernel",)
+        return self.paths(*args, language_version=language_version) if self.versioned else self.paths(*args)
+
+
+def language_version_of(executor, tier: Optional[str] = None) -> Optional[tuple[int, int]]:
+    """The Metal language version the kernels of `executor` (of `tier`: its name by default) were
+    compiled at, (major, minor), or None where it is not known (the OS compiler's default): the
+    executor's `language_version`; on the shader tier, what torch's compile_shader asks for here
+    (bnb_mps.executors.shader.language_version)."""
+    found = getattr(executor, "language_version", None)
+    if found is None and (tier or getattr(executor, "name", None)) == "shader":
+        from ..device import _macos_version
+        from ..executors import shader
+
+        found = shader.language_version(_macos_version(), shader.torch_version())
+    if isinstance(found, str):  # ("3.2")
+        found = tuple(int(p) for p in found.split("."))
+    return None if found is None else (int(found[0]), int(found[1]))
 
 
 def execute(planned: Planned, executor, args: Sequence, route: Optional[str] = None) -> Any:
     """Plan and run one call (arguments in schema order, defaults filled), without caching."""
     args = tuple(args)
-    return BoundPlan(planned.plan(args, route), executor, dynamic=planned.dynamic)(args)
+    plan = planned.plan(args, route, language_version_of(executor) if planned.versioned else None)
+    return BoundPlan(plan, executor, dynamic=planned.dynamic)(args)

@@ -70,19 +70,21 @@ def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return deco
 
 
-def planner(name: str, *, dynamic_positions=(), dynamic=None,
-            paths=None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:  # fmt: skip
+def planner(name: str, *, dynamic_positions=(), dynamic=None, paths=None,
+            versioned: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:  # fmt: skip
     """Attach an op's planner, `fn(*args) -> bnb_mps.ops.plan.Plan` with the schema's arguments; the
     op's kernel then plans and runs each call. `dynamic_positions` / `dynamic`: arguments taken per
     call (left out of plan keys) and the function that checks them and returns their scalars (also
     per-call scalars of the op's own, as the split-K plans' tag; a plan that asks none never calls it).
     `paths`: for an op with several kernel paths, `paths(*args)` names the paths (route names) worth
-    measuring for a call, the built-in one first; the planner then takes one of them as `route=`."""
+    measuring for a call, the built-in one first; the planner then takes one of them as `route=`.
+    `versioned`: the planner and `paths` also take `language_version=`, the Metal language version of
+    the tier's kernels (bnb_mps.ops.plan.language_version_of), where the kernels it may launch depend on it."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         from .plan import Planned, execute
 
-        planned = Planned(fn, sum(1 << i for i in dynamic_positions), dynamic, paths)
+        planned = Planned(fn, sum(1 << i for i in dynamic_positions), dynamic, paths, versioned)
         kernel(name)(lambda executor, *args, route=None: execute(planned, executor, args, route))
         OPS[name].planned = planned
         return fn

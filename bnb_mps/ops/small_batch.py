@@ -11,25 +11,34 @@ _SMALL_ROWS_PER_TG = 16  # weight rows per threadgroup in the small kernel (all 
 _SPLITK_ALIGN = 256  # the split-K kernel's slices of K start at multiples of this
 
 
-def built_in(M: int, K: int, itemsize: int, scale_bytes: int, blocksize: int) -> str:
-    """"splitk" or "small" for 2 <= M <= 32 rows of A of `itemsize` bytes and K >= 512, on a weight
-    whose blocks of `blocksize` have scales of `scale_bytes` (1: nested 8-bit codes; 4: float32
-    absmax): the one the cost model charges less, summed over the M of M's tuning bucket (powers of
-    two: every M of a bucket has the same built-in route). The split-K kernel but where a row's cuts
-    share lines (K % 256 != 0 with phases that do not divide S) or float32 absmax is read by every
-    slice, at M = 2 to 4."""
+def built_in(M: int, K: int, itemsize: int, scale_bytes: int, blocksize: int, handover: bool = True) -> str:
+    """"splitk", "splitk/two" or "small" for 2 <= M <= 32 rows of A of `itemsize` bytes and K >= 512, on
+    a weight whose blocks of `blocksize` have scales of `scale_bytes` (1: nested 8-bit codes; 4: float32
+    absmax): the one the cost model charges least, summed over the M of M's tuning bucket (powers of
+    two: every M of a bucket has the same built-in route), "splitk" (one dispatch) only where the tier
+    has it (`handover`: Metal >= 3.2); ties go to the first of that order. A split-K path but where a
+    row's cuts share lines (K % 256 != 0 with phases that do not divide S) or float32 absmax is read by
+    every slice, at M = 2 to 4."""
     top = 1 << (M - 1).bit_length()
     bucket = range(max(2, top // 2 + 1), top + 1)
-    splitk = sum(min(splitk_cost(m, K, itemsize, S, scale_bytes, blocksize) for S in splits(K)) for m in bucket)
-    small = sum(small_cost(m, K, itemsize, scale_bytes, blocksize) for m in bucket)
-    return "splitk" if splitk <= small else "small"
+
+    def total(dispatches: int) -> float:
+        return sum(min(splitk_cost(m, K, itemsize, S, scale_bytes, blocksize, dispatches) for S in splits(K))
+                   for m in bucket)  # fmt: skip
+
+    costs = {"splitk": total(1)} if handover else {}
+    costs["splitk/two"] = total(2)
+    costs["small"] = sum(small_cost(m, K, itemsize, scale_bytes, blocksize) for m in bucket)
+    return min(costs, key=costs.__getitem__)
 
 
 def splitk_splits(M: int, K: int, itemsize: int, scale_bytes: int = 1, blocksize: int = 64) -> int:
     """S, the slices of K of the split-K kernel for M rows of A of element size `itemsize`, on a weight
     whose blocks of `blocksize` have scales of `scale_bytes` (1: nested 8-bit codes; 4: float32 absmax):
     of 2, 4, 8 and 16 (slices of 256 or more), the one the cost model charges least (`splitk_cost`,
-    docs/small-batch.md). 1 where K < 512 (no split)."""
+    docs/small-batch.md). 1 where K < 512 (no split). The same S for one and two dispatches: their
+    charges differ by a term that does not depend on S (the counter's line against a read of each
+    output's own slot), so both paths add the same slices."""
     choices = splits(K)
     if not choices:
         return 1
@@ -58,20 +67,24 @@ def phases(K: int) -> int:
     return 1 if rest == 0 else _SPLITK_ALIGN // (rest & -rest)
 
 
-def splitk_cost(M: int, K: int, itemsize: int, S: int, scale_bytes: int, blocksize: int) -> float:
-    """The split-K kernel's modelled traffic per output column (weight row) but for the weight's own
-    bytes and what every kernel with ceil(N / 16) threadgroups pays alike (the nested code table):
+def splitk_cost(M: int, K: int, itemsize: int, S: int, scale_bytes: int, blocksize: int,
+                dispatches: int = 1) -> float:  # fmt: skip
+    """The split-K kernels' modelled traffic per output column (weight row) but for the weight's own
+    bytes and what every kernel with ceil(N / 16) threadgroups pays alike (the nested code table), in one
+    dispatch (the last threadgroup of a tile adds the tile's slots) or two (`dispatches` = 2: every slot
+    written, then read back whole by the sum kernel, which writes the output):
     - A: a tile of 16 S columns reads A's M rows once over its S slices, M x K x itemsize bytes, and
       where rows are cut where their own lines begin (P dividing S: gemm_4bit_splitk.h), each slice
       after the first widened by the largest phase;
-    - partial sums: 2 S - 1 of 4 bytes per row of A (S written, S - 1 read back by the threadgroup
-      that adds them);
+    - partial sums: one dispatch, 2 S - 1 of 4 bytes per row of A (S written, S - 1 read back by the
+      threadgroup that adds them, its own still in its cache); two dispatches, 2 S (S written, S read
+      by the sum kernel);
     - the output: a tile writes a row's 16 S columns as whole lines (a tile narrower than a line
       writes a line's worth: 32 columns of float16);
     - scales: the 128-byte lines of scales each slice's threadgroup touches (`scale_lines`);
     - the weight's lines read twice: where K % 256 != 0, the line that holds a row's end and the next
       row's start (in all rows but one of every P), and where P does not divide S, every cut inside a
-      line; and the tile's counter, a line per threadgroup."""
+      line; and in one dispatch the tile's counter, a line per threadgroup."""
     width = _SMALL_ROWS_PER_TG * S
     span = -(-K // (S * _SPLITK_ALIGN)) * _SPLITK_ALIGN
     cuts = -(-K // span) - 1  # between slices that are not empty
@@ -80,6 +93,8 @@ def splitk_cost(M: int, K: int, itemsize: int, S: int, scale_bytes: int, blocksi
     a_cols = K + (cuts * (_SPLITK_ALIGN - _SPLITK_ALIGN // P) if phased else 0)
     shared = 128 * (1 - 1 / P) * (1 + (0 if phased else cuts))
     out = -(-width * itemsize // 128) * 128 / width
+    if dispatches == 2:
+        return M * (a_cols * itemsize / width + 4 * 2 * S + out) + scale_lines(K, S, scale_bytes, blocksize) + shared
     return (M * (a_cols * itemsize / width + 4 * (2 * S - 1) + out) + scale_lines(K, S, scale_bytes, blocksize)
             + shared + 128 / _SMALL_ROWS_PER_TG)  # fmt: skip
 

@@ -34,6 +34,12 @@ class Family:
     #: ops whose calls a built-in path of the family serves while it passes, and another path when it
     #: fails (bnb_mps.ops.candidates.FALLBACK): they stay on the tier
     serves: tuple[str, ...] = ()
+    #: the Metal language version from which the family's kernels are compiled ((major, minor); None:
+    #: every version): on a tier below it the family has nothing to run, and no route takes its kernels
+    language_version: Optional[tuple[int, int]] = None
+    #: the compile unit (bnb_mps.msl.source.units()) of the family's kernels, where it is one: its text's
+    #: digest is part of the family's verdict key (bnb_mps.ops.verify.first_use)
+    unit: Optional[str] = None
 
 
 def gen(seed: int) -> torch.Generator:

@@ -1,4 +1,4 @@
-"""The 4-bit matrix products' cases: one family per kernel path (gemv, batch, mma)."""
+"""The 4-bit matrix products' cases: one family per kernel path (gemv, batch, small, split-K, mma)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ def _matmul_compare(A, W, bias, index: Optional[int] = None) -> Callable:
     return compare
 
 
-def matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
+def matmul_cases(M: int, N: int, K: int, seed: int, gemv: bool = True) -> Iterator[Case]:
     """Products of one kernel path: every activation dtype with plain and nested block scales, NF4
     and FP4, with and without bias; A aligned (vector loads) and not (`Unaligned`: its start, and
-    for M > 1 its row starts, off the 16-byte grid, which the kernels read with scalar loads)."""
+    for M > 1 its row starts, off the 16-byte grid, which the kernels read with scalar loads); and
+    (`gemv`) gemv_4bit and gemv_4bit.out calls of some of them."""
     import bitsandbytes.functional as F
 
     configs = [(torch.float16, "nf4", 64, True, True, False), (torch.bfloat16, "fp4", 32, False, True, False),
@@ -68,7 +69,7 @@ def matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
         else:
             args = (a, packed, [N, K], state.absmax, blocksize, qt, bias, None, None, None)
         yield Case(f"gemm_4bit {tag}{' bias' if with_bias else ''}", "gemm_4bit", args, _matmul_compare(A, Wq, bias))
-        if not nested and (i == 1 or unaligned and dtype == torch.float16):
+        if gemv and not nested and (i == 1 or unaligned and dtype == torch.float16):
             table = torch.tensor(NF4) if qt == "nf4" else fp4_table()
             gargs = (a, packed, [N, K], state.absmax, table.float(), blocksize)
             yield Case(f"gemv_4bit {tag}", "gemv_4bit", gargs, _matmul_compare(A, Wq, None))
@@ -76,3 +77,25 @@ def matmul_cases(M: int, N: int, K: int, seed: int) -> Iterator[Case]:
                 out = sentinel.filled((M, N), dtype)
                 yield Case(f"gemv_4bit.out {tag}", "gemv_4bit.out", gargs + (out,),
                            _matmul_compare(A, Wq, None, index=6))  # fmt: skip
+
+
+def repeated_cases(M: int, N: int, K: int, seed: int, calls: int = 4) -> Iterator[Case]:
+    """`calls` products of one weight, one after the other, with A and -A in turn: the same shape, so
+    every call takes the same slots of the split-K workspace, and a slot an earlier call wrote and a
+    later call read before its own write (a hand-over between threadgroups that does not hold on this
+    GPU) shows as a result of the wrong sign. float16 A, NF4 with nested scales and a bias."""
+    import bitsandbytes.functional as F
+
+    g = gen(seed)
+    W = torch.randn(N, K, generator=g).to(torch.float16)
+    A = torch.randn(M, K, generator=g).to(torch.float16)
+    bias = torch.randn(N, generator=g).to(torch.float16)
+    packed, state = F.quantize_4bit(W, blocksize=64, quant_type="nf4", compress_statistics=True)
+    Wq = F.dequantize_4bit(packed, state).float()
+    for call in range(calls):
+        a = A if call % 2 == 0 else -A
+        args = (a, packed, [N, K], state.state2.absmax, 64, "nf4", bias, state.absmax, state.state2.code,
+                state.offset.reshape(1))  # fmt: skip
+        label = f"gemm_4bit M={M} N={N} K={K} nf4 torch.float16 nested bias, call {call + 1} of {calls} " \
+                f"({'A' if call % 2 == 0 else '-A'})"
+        yield Case(label, "gemm_4bit", args, _matmul_compare(a, Wq, bias))

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from .cases import Case, Family
 from .cases_int8 import int8_product_cases, int8_quant_cases
-from .cases_matmul import matmul_cases
+from .cases_matmul import matmul_cases, repeated_cases
 from .cases_optim import optimizer_32bit_cases, optimizer_8bit_cases, optimizer_8bit_non_finite_cases
 from .cases_quant import blockwise_8bit_cases, fourbit_cases
 from .cases_special import special_4bit_cases, special_8bit_cases
@@ -38,7 +38,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # (S = 4), N = 40 leaves a partial tile of 64 columns, and the last threadgroup of each tile adds
     # the tile's partial sums; K = 1984 = 7 x 256 + 192 cuts each row where its own lines begin (rows
     # 4 phases apart, a group of the tile per phase), the last slice longer than the others, and N = 72
-    # leaves a last tile of 8 columns, which one threadgroup takes over all of K.
+    # leaves a last tile of 8 columns, which one threadgroup takes over all of K; then four calls of one
+    # shape of 9 tiles of 4 slices, with A and -A in turn, so that a partial sum of the call before, read
+    # where a hand-over between threadgroups did not hold, shows.
     Family("matmul_4bit_gemv", _MATMUL_OPS, lambda: matmul_cases(1, 20, 1280, seed=900)),
     Family("matmul_4bit_small", _MATMUL_OPS, lambda: matmul_cases(12, 20, 400, seed=940)),
     Family("matmul_4bit_batch", _MATMUL_OPS, lambda: _routed(matmul_cases(5, 20, 560, seed=910), "batch")),
@@ -47,12 +49,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # it fails, only the variant is then no candidate for tuning (bnb_mps.ops.tuning).
     Family("matmul_4bit_tglut", (), lambda: _routed(matmul_cases(1, 20, 1280, seed=930), "gemv/tglut")),
     Family("matmul_4bit_small_wide", (), lambda: _routed(matmul_cases(12, 12, 400, seed=950), "small/wide")),
-    # A built-in path with a fallback: when it fails, no op leaves the tier; the small path serves its
-    # calls instead (bnb_mps.ops.candidates.FALLBACK). Its threadgroups meet through device memory
-    # (gemm_4bit_splitk.h), what only the user's GPU can show to hold.
-    Family("matmul_4bit_splitk", (),
-           lambda: itertools.chain(matmul_cases(12, 40, 1040, seed=960), matmul_cases(5, 72, 1984, seed=961)),
-           serves=_MATMUL_OPS),
+    # Built-in paths with a fallback: when one fails, no op leaves the tier; the small path serves its
+    # calls instead (bnb_mps.ops.candidates.FALLBACK). Their threadgroups meet through device memory
+    # (gemm_4bit_splitk.h), what only the user's GPU can show to hold: in one dispatch (Metal >= 3.2
+    # only), or in two.
+    Family("matmul_4bit_splitk", (), lambda: _routed(_splitk_cases(), "splitk"), serves=_MATMUL_OPS,
+           language_version=(3, 2), unit="gemm_4bit_splitk"),
+    Family("matmul_4bit_splitk_two", (), lambda: _routed(_splitk_cases(), "splitk/two"), serves=_MATMUL_OPS,
+           unit="gemm_4bit_splitk"),
     Family("int8_quant", ("int8_vectorwise_quant", "int8_double_quant", "int8_vectorwise_dequant", "int8_mm_dequant"),
            int8_quant_cases),
     Family("int8_products", ("int8_linear_matmul", "int8_linear_matmul.out", "int8_scaled_mm", "int8_mixed_scaled_mm"),
@@ -61,6 +65,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            lambda: itertools.chain(optimizer_8bit_cases(), optimizer_8bit_non_finite_cases())),
     Family("optimizer_32bit", ("optimizer_update_32bit",), optimizer_32bit_cases),
 ]}  # fmt: skip
+
+def _splitk_cases() -> Iterator[Case]:
+    return itertools.chain(matmul_cases(12, 40, 1040, seed=960, gemv=False), matmul_cases(5, 72, 1984, seed=961, gemv=False),
+                           repeated_cases(2, 520, 1024, seed=962))  # fmt: skip
+
 
 _FAMILY_OF_OP: dict[str, list[str]] = {}
 for _f in FAMILIES.values():

@@ -62,7 +62,7 @@ def verdict(family: str, tier: str, executor, *, refresh: bool = False) -> Verdi
     from ...msl import source
 
     try:
-        key = cache_key(tier, source.source_hash(), executor)
+        key = cache_key(tier, source.source_hash(), executor) + _unit_key(FAMILIES[family])
     except Exception as e:  # no kernel source to hash, no machine to name: the kernels cannot run either
         return Verdict(family, False, 0.0, "(before the first case)", f"cannot key the verification: "
                        f"{first_line(e)}", could_not_run=True)  # fmt: skip
@@ -82,6 +82,13 @@ def verdict(family: str, tier: str, executor, *, refresh: bool = False) -> Verdi
         for listener in _route_listeners:
             listener()
     return found
+
+
+def _unit_key(family: Family) -> str:
+    """What a family of one compile unit adds to its verdict's key: the digest of that unit's text."""
+    from ...msl import source
+
+    return "" if family.unit is None else f" | unit {family.unit} {source.source_hash(source.units()[family.unit])}"
 
 
 _route_listeners: list[Callable[[], None]] = []

@@ -21,7 +21,10 @@ class Recorder:
     """An executor for the op layer that forwards every launch to `inner` (see the module docstring)."""
 
     def __init__(self, inner) -> None:
+        from ..plan import language_version_of
+
         self.inner, self.name = inner, inner.name
+        self.language_version = language_version_of(inner)  # (the kernels the op layer may launch)
         self.launches = self.bytes = 0
         watch = getattr(inner, "watch_command_buffers", None)
         self._watch = watch() if watch is not None else None  # (None: the tier does not report them)

@@ -64,11 +64,22 @@ def math_mode(tier: str, executor=None) -> Optional[str]:
     return None
 
 
+def language(tier: str, executor=None) -> str:
+    """The Metal language version the tier's kernels are compiled at ("Metal 3.1"; "Metal default": the
+    OS compiler's): it decides which kernels exist (the one-dispatch split-K kernel from 3.2) and what
+    the memory model guarantees them (bnb_mps.ops.plan.language_version_of)."""
+    from ..plan import language_version_of
+
+    version = language_version_of(executor, tier)
+    return "Metal default" if version is None else f"Metal {version[0]}.{version[1]}"
+
+
 def cache_key(tier: str, source_hash: str, executor=None) -> str:
-    """The key of a tier's verdicts: every input that can change a kernel's results."""
+    """The key of a tier's verdicts (and of tuning's choices): every input that can change a kernel's
+    results, the language version they are compiled at included."""
     m = machine()
     parts = [tier, m["gpu"], m["os"], f"torch {m['torch']}", f"bitsandbytes {m['bitsandbytes']}",
-             f"bnb-mps {m['bnb_mps']}", f"kernels {source_hash}"]  # fmt: skip
+             f"bnb-mps {m['bnb_mps']}", f"kernels {source_hash}", language(tier, executor)]  # fmt: skip
     mode_ = math_mode(tier, executor)
     if mode_ is not None:
         parts.append(mode_)

@@ -38,6 +38,12 @@ def run_family(family: Family, executor, device: str) -> Verdict:
                        recorder.launches, recorder.bytes, skipped=tuple(skipped),
                        could_not_run=(could_not_run or device_error) and not passed, device_error=device_error)  # fmt: skip
 
+    needs = family.language_version
+    if needs is not None and not _at_least(recorder.language_version, needs):
+        have = "an unknown version" if recorder.language_version is None else "Metal {}.{}".format(*recorder.language_version)
+        skipped.append(f"every case: its kernels are compiled at Metal >= {needs[0]}.{needs[1]} only, this tier's at "
+                       f"{have}, and no route takes them")  # fmt: skip
+        return verdict(True)
     try:  # (what ran before is not the family's: torch >= 2.15 raises an earlier command buffer's error here, once)
         synchronize(executor)
     except Exception as e:  # noqa: BLE001
@@ -81,6 +87,10 @@ def run_family(family: Family, executor, device: str) -> Verdict:
     except Exception as e:  # the verification itself could not run (its inputs, the CPU reference)
         return verdict(False, first_line(e), could_not_run=True)
     return verdict(True)
+
+
+def _at_least(version: Optional[tuple], needs: tuple) -> bool:
+    return version is not None and tuple(version) >= tuple(needs)
 
 
 def to_device(x: Any, device: str) -> Any:
