@@ -102,6 +102,16 @@ def can_profile(path: str) -> bool:
             return False
 
 
+@functools.lru_cache(maxsize=None)
+def can_find_profile_compiler() -> bool:
+    """Whether `find_profile_compiler()` finds a clang that builds instrumented modules."""
+    try:
+        find_profile_compiler()
+    except CompileError:
+        return False
+    return True
+
+
 def find_profile_compiler(compiler: str | None = None) -> str:
     """Path of the clang++ that builds profiling modules: `compiler` if it can, else
     BNB_MPS_EMU_PROFILE_CXX, else the first of PROFILE_COMPILERS on PATH that can."""
