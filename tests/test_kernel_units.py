@@ -43,7 +43,7 @@ pytestmark = [
 ]
 
 KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "kernels"
-UNITS = {"gemm_4bit", "int8", "optimizer", "quantize_4bit", "quantize_8bit"}
+UNITS = {"gemm_4bit", "gemm_4bit_splitk", "int8", "optimizer", "quantize_4bit", "quantize_8bit"}
 BROKEN = "int8"  # the unit with the planted error, and its families
 BROKEN_FAMILIES = {"int8_quant", "int8_products"}
 PLANTED = "bnb_planted_syntax_error +;"
