@@ -3,13 +3,16 @@
 #
 #     bash scripts/mac_acceptance.sh [--out DIR] [--python PYTHON] [--venv DIR] [--dry-run]
 #
-# In a fresh virtual environment it installs torch for macOS arm64, bitsandbytes and bnb-mps
-# (built natively with --no-build-isolation, so the Objective-C++ executor compiles against that
-# torch), then runs `python -m bnb_mps`, the whole test suite including the `mps` tests on both GPU
-# tiers (native and shader), the kernel benchmarks in their short mode, and `python -m bnb_mps tune`
-# for one model (the routes of its 4-bit layers measured on this GPU). It writes
-# acceptance-report.md (paste it into an issue) and acceptance-report.json into the current
-# directory or --out DIR; logs, junit.xml and benchmark JSON go to DIR/acceptance-work/.
+# It first compiles the kernel units with Xcode's offline Metal compiler (scripts/compile_metal.sh),
+# the split-K unit as a step of its own before the others. In a fresh virtual environment it then
+# installs torch for macOS arm64, bitsandbytes and bnb-mps (built natively with
+# --no-build-isolation, so the Objective-C++ executor compiles against that torch), then runs
+# `python -m bnb_mps`, the whole test suite including the `mps` tests on both GPU tiers (native and
+# shader), the kernel benchmarks in their short mode, and `python -m bnb_mps tune` for one model (the
+# routes of its 4-bit layers measured on this GPU). It writes acceptance-report.md (paste it into an
+# issue) and acceptance-report.json into the current directory or --out DIR; logs, junit.xml and
+# benchmark JSON go to DIR/acceptance-work/. The dry run compiles the kernels last, where xcrun
+# metal works.
 #
 # Needs macOS on Apple Silicon with a working mps device, and network access for pip; it stops
 # early, saying why, elsewhere. --dry-run exercises everything except the mps parts on any OS
@@ -27,7 +30,7 @@ PY=${PYTHON:-python3}
 VENV=""
 DRY=0
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=${2:?--out needs a directory}; shift 2 ;;
@@ -117,6 +120,33 @@ setup_venv() {
 
 VPY="$VENV/bin/python"
 FAILED=0
+
+# The kernel compile units through Xcode's offline Metal compiler (scripts/compile_metal.sh, as the
+# macOS CI workflow runs it): the split-K unit first, as a step of its own, then the others; at
+# metal3.1 (the offline metallib's) and, where this SDK has them, metal3.2 and metal4.0. Skipped
+# where `xcrun metal` cannot compile a one-line kernel (the Command Line Tools alone have no Metal
+# compiler; the tiers then compile the kernels at run time).
+compile_kernels() {
+  local args=(--std metal3.1 --try-std metal3.2 --try-std metal4.0) why
+  if ! why=$(bash "$REPO/scripts/compile_metal.sh" --probe --std metal3.1 2>&1); then
+    why=$(printf '%s' "$why" | tail -n 1 | tr '\t' ' ')
+    say "compile the kernels: skipped, no offline Metal compiler here ($why)"
+    skip_step "compile the kernels (xcrun metal)" "no offline Metal compiler here: $why"
+    return
+  fi
+  if [ -f "$REPO/csrc/kernels/gemm_4bit_splitk.metal" ]; then
+    step "compile the split-K unit (xcrun metal)" "$WORK/compile_splitk.log" "gemm_4bit_splitk" 600 -- \
+      bash "$REPO/scripts/compile_metal.sh" "${args[@]}" --unit gemm_4bit_splitk || FAILED=1
+    step "compile the other kernel units (xcrun metal)" "$WORK/compile_kernels.log" "" 1200 -- \
+      bash "$REPO/scripts/compile_metal.sh" "${args[@]}" --skip gemm_4bit_splitk || FAILED=1
+  else
+    step "compile the kernels (xcrun metal)" "$WORK/compile_kernels.log" "" 1200 -- \
+      bash "$REPO/scripts/compile_metal.sh" "${args[@]}" || FAILED=1
+  fi
+}
+# Before everything else; the dry run compiles last instead, after the steps whose order
+# tests/test_acceptance.py checks.
+[ "$DRY" = 0 ] && compile_kernels
 
 if [ "$DRY" = 1 ]; then
   say "dry run: everything except the mps parts (no GPU is used; the venv reuses $PY's packages)"
@@ -212,6 +242,8 @@ if [ -f "$REPO/scripts/bench_optimizers.py" ]; then
 else
   skip_step "optimizer benchmarks (short)" "scripts/bench_optimizers.py is not in this checkout yet"
 fi
+
+[ "$DRY" = 1 ] && compile_kernels
 
 say "report"
 DRY_FLAG=()
