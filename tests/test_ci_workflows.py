@@ -201,6 +201,24 @@ def test_every_unit_is_compiled_at_each_version_with_the_build_flags(tmp_path):
     assert all(c[-1].endswith(".air") for c in made)
 
 
+def test_the_flags_at_the_builds_version_are_the_native_builds(tmp_path):
+    """csrc/metal_toolchain.cmake's BNB_MPS_METAL_FLAGS (the offline metallib's), then
+    BNB_MPS_METAL_NO_CONTRACT where the compiler takes it."""
+    cmake = (ROOT / "csrc" / "metal_toolchain.cmake").read_text()
+    values = dict(re.findall(r'^set\((BNB_MPS_METAL_(?:STD|MACOS_MIN)) "([^"]+)"\)', cmake, re.M))
+    flags = re.search(r"^set\(BNB_MPS_METAL_FLAGS (.*)\)$", cmake, re.M).group(1)
+    for name, value in values.items():
+        flags = flags.replace("${%s}" % name, value)
+    no_contract = re.search(r"^set\(BNB_MPS_METAL_NO_CONTRACT (.*)\)$", cmake, re.M).group(1)
+    assert "${" not in flags and values["BNB_MPS_METAL_STD"] == "metal3.1"
+    env, log = fake_xcrun(tmp_path)
+    unit = expected_units(KERNELS)[0]
+    proc = run(COMPILE, env, "--std", values["BNB_MPS_METAL_STD"], "--unit", unit)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ((*args, _),) = unit_calls(log)
+    assert args[3:args.index("-I")] == [*flags.split(), no_contract]
+
+
 def test_the_split_k_unit_is_compiled_first_whatever_the_name_order(tmp_path):
     """In a tree of its own (the split-K unit may not exist in this checkout yet): gemm_4bit_splitk
     first, then the others in name order; the defaults are metal3.1, metal3.2 and (tried) metal4.0."""
