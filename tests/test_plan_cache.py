@@ -60,9 +60,9 @@ class Counting:
         self.calls = 0
         real = planned.planner
 
-        def planner(*args):
+        def planner(*args, **kwargs):
             self.calls += 1
-            return real(*args)
+            return real(*args, **kwargs)
 
         monkeypatch.setattr(planned, "planner", planner)
 

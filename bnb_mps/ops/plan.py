@@ -354,15 +354,24 @@ def language_version_of(executor, tier: Optional[str] = None) -> Optional[tuple[
     compiled at, (major, minor), or None where it is not known (the OS compiler's default): the
     executor's `language_version`; on the shader tier, what torch's compile_shader asks for here
     (bnb_mps.executors.shader.language_version)."""
-    found = getattr(executor, "language_version", None)
+    found, inner = None, executor
+    while found is None and inner is not None:  # (wrappers that forward launches: their `inner`'s)
+        found = getattr(inner, "language_version", None)
+        inner = getattr(inner, "inner", None)
     if found is None and (tier or getattr(executor, "name", None)) == "shader":
-        from ..device import _macos_version
-        from ..executors import shader
-
-        found = shader.language_version(_macos_version(), shader.torch_version())
+        found = _shader_language_version()
     if isinstance(found, str):  # ("3.2")
         found = tuple(int(p) for p in found.split("."))
     return None if found is None else (int(found[0]), int(found[1]))
+
+
+@functools.cache
+def _shader_language_version() -> tuple[int, int]:
+    """What torch's compile_shader compiles at in this process (torch reads its settings once too)."""
+    from ..device import _macos_version
+    from ..executors import shader
+
+    return shader.language_version(_macos_version(), shader.torch_version())
 
 
 def execute(planned: Planned, executor, args: Sequence, route: Optional[str] = None) -> Any:
