@@ -14,7 +14,8 @@ initializer; kernels return void; every kernel parameter carries a buffer index 
 31, and, because executors bind launch argument i to `[[buffer(i)]]`, numbered 0..k-1) or a
 built-in input attribute of a type Metal accepts for it; buffer parameters are device/constant
 pointers or references, scalars of a type `bnb_mps.kernel_args` binds; no `goto`, `new`/`delete`,
-virtual functions, exceptions, RTTI or `thread_local`.
+virtual functions, exceptions, RTTI or `thread_local`; Metal 3.2's memory-model spellings
+(`coherent(device)`, `thread_scope_*`) only under `#if __METAL_VERSION__ >= 320`.
 
 It works on the source with comments and string literals blanked out (line numbers kept); the
 checks are regular expressions plus a little bracket matching, deliberately conservative.
@@ -300,6 +301,7 @@ class _Linter:
         self.check_program_scope()
         self.check_unsupported_cxx()
         self.check_float_math()
+        self.check_metal_version()
         return sorted(set(self.findings), key=lambda f: (f.line, f.rule, f.message))
 
     # -- rules ------------------------------------------------------------------------------
@@ -637,6 +639,51 @@ class _Linter:
             self.report(m.start(1), "float-math",
                         f"`{spelled}(...)` on floats follows the fast-math setting (PYTORCH_MPS_FAST_MATH selects the fast "
                         f"math functions); call `metal::precise::{name}`")  # fmt: skip
+
+
+    # -- spellings of a later language version ---------------------------------------------------------
+
+    def check_metal_version(self) -> None:
+        """Metal 3.2's memory-model spellings (coherent(device), a fence's thread_scope_* argument) only
+        where the preprocessor keeps them at __METAL_VERSION__ >= 320: the same source is compiled
+        at 3.1 too (the offline metallib, macOS 14, torch's shader tier before 2.11), where the
+        compiler rejects them, and with them the whole compile unit."""
+        conditions: list[tuple[str, bool]] = []  # (condition, in its #else branch)
+        pos = 0
+        for line in self.code.splitlines(keepends=True):
+            directive = re.match(r"[ \t]*#[ \t]*(if|ifdef|ifndef|elif|else|endif)\b(.*)", line)
+            if directive:
+                word, rest = directive.group(1), directive.group(2).strip()
+                if word in ("if", "ifdef", "ifndef"):
+                    conditions.append((rest if word == "if" else "", False))
+                elif word == "elif" and conditions:
+                    conditions[-1] = (rest, False)
+                elif word == "else" and conditions:
+                    conditions[-1] = (conditions[-1][0], True)
+                elif word == "endif" and conditions:
+                    conditions.pop()
+            else:
+                guarded = any(not negated and _at_least_320(cond) for cond, negated in conditions)
+                if not guarded:
+                    for m in _METAL_3_2_SPELLINGS.finditer(line):
+                        self.report(pos + m.start(), "metal-version",
+                                    f"`{m.group(0).strip()}` is Metal 3.2; keep it under `#if __METAL_VERSION__ >= 320` "
+                                    "(the unit is also compiled at 3.1, where it fails to compile)")  # fmt: skip
+            pos += len(line)
+
+
+_METAL_3_2_SPELLINGS = re.compile(r"\bcoherent\s*\(|\bthread_scope_\w+")
+
+
+def _at_least_320(condition: str) -> bool:
+    """Whether an #if condition holds only at __METAL_VERSION__ >= 320 (a conjunct `__METAL_VERSION__
+    >= n` or `> n` with n at least 320, or 319 for `>`)."""
+    if "||" in condition:
+        return False
+    for m in re.finditer(r"__METAL_VERSION__\s*(>=|>)\s*(\d+)", condition):
+        if int(m.group(2)) + (1 if m.group(1) == ">" else 0) >= 320:
+            return True
+    return False
 
 
 def _compile_time_names_in(code: str) -> set[str]:
