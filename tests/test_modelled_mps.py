@@ -145,6 +145,99 @@ def test_the_model_is_not_reentrant_and_restores_torch():
             pass
 
 
+# -- a command buffer that fails; the modelled GPU clock -------------------------------------------------------
+
+FAULT_SOURCE = (__import__("pathlib").Path(__file__).with_name("fault_kernels") / "address_fault.metal").read_text()
+
+
+def address_fault():
+    """A call that makes the GPU fail its command buffer (tests/fault_kernels/address_fault.metal: a write
+    2^36 uints past a 32-element buffer), through torch.mps.compile_shader."""
+    fn = getattr(torch.mps.compile_shader(FAULT_SOURCE), "bnb_test_address_fault")
+    target = torch.zeros(32, dtype=torch.int32)
+    return lambda: fn(target, 1 << 36, threads=[32], group_size=[32])
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_a_memory_fault_fails_its_command_buffer_and_its_events_never_complete(version):
+    """Metal ends a command buffer at a GPU address fault and runs nothing of it after the fault, so an
+    event recorded after the faulting kernel is never signalled: query() stays False after
+    torch.mps.synchronize(). torch 2.15's synchronize() raises that buffer's error, once (MPSStream.mm:
+    the completed handler keeps the error, the next synchronize raises it); 2.13 and 2.14 say nothing."""
+    with use_modelled_mps(version):
+        fault = address_fault()
+        event = torch.mps.Event(enable_timing=True)
+        fault()
+        event.record()
+        if version >= "2.15":
+            with pytest.raises(RuntimeError, match="Command buffer execution failed"):
+                torch.mps.synchronize()
+        else:
+            torch.mps.synchronize()
+        torch.mps.synchronize()  # (raised once, not again)
+        assert not event.query()
+        later = torch.mps.Event(enable_timing=True)
+        later.record()
+        torch.mps.synchronize()
+        assert later.query()  # (the next command buffer runs)
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_the_event_clock_fails_where_a_batch_faults_and_never_waits_for_its_events(version):
+    """A batch whose command buffer fails: its end event never completes, and elapsed_time on torch 2.13
+    and 2.14 would wait for it forever (ModelledDeadlock here); the clock asks query() first and fails
+    (ClockFailed: the batch is timed again, then the shape key is left untuned)."""
+    with use_modelled_mps(version):
+        with pytest.raises(clocks.ClockFailed):
+            clocks.EventClock().batch(address_fault(), 2)
+        assert clocks.EventClock().batch(lambda: None, 2) > 0  # (the next batch is timed)
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_the_event_clock_gives_seconds_of_modelled_gpu_time(version):
+    """The modelled GPU runs each command buffer in runtime.BUFFER_NS plus the cost of each kernel in it (set
+    here: 250 us per kernel). A batch of n kernel calls between two recorded events is one command buffer
+    (the first record() committed the one before): n * 250 us + BUFFER_NS, in seconds."""
+    from bnb_mps.modelled_mps import runtime
+
+    with use_modelled_mps(version) as mps:
+        mps.runtime.kernel_ns = lambda name: 250_000
+        fn = getattr(torch.mps.compile_shader(FAULT_SOURCE), "bnb_test_address_fault")
+        target = torch.zeros(32, dtype=torch.int32)
+        call = lambda: fn(target, 1, threads=[32], group_size=[32])  # noqa: E731  (in bounds: no fault)
+        for n in (1, 3):
+            assert clocks.EventClock().batch(call, n) == pytest.approx((n * 250_000 + runtime.BUFFER_NS) * 1e-9)
+
+
+def test_timing_on_the_event_clock_takes_batches_of_several_calls_and_gives_the_time_per_call():
+    """timing.seconds on the modelled GPU clock: a call of one 100 us kernel is below the 1 ms minimum, so
+    each batch holds several calls (kernels encoded per elapsed_time above 1), and the time per call is
+    the kernel's 100 us plus a share of one command buffer's BUFFER_NS."""
+    from bnb_mps.modelled_mps import runtime
+
+    with use_modelled_mps("2.13") as mps:
+        mps.runtime.kernel_ns = lambda name: 100_000
+        fn = getattr(torch.mps.compile_shader(FAULT_SOURCE), "bnb_test_address_fault")
+        target = torch.zeros(32, dtype=torch.int32)
+        per_call = timing.seconds(lambda: fn(target, 1, threads=[32], group_size=[32]), clocks.EventClock())
+        kernels, batches = mps.runtime.counts["kernels"], mps.runtime.counts["elapsed_time"]
+    assert batches == timing.SAMPLES + 1 and kernels - 1 > 2 * batches  # (a warm-up, then several per batch)
+    assert 100e-6 < per_call <= (100_000 + runtime.BUFFER_NS / 2) * 1e-9
+
+
+def test_the_gpu_clock_serves_the_default_stream_and_refuses_others_by_stream_id():
+    """torch 2.15 (torch/mps/streams.py): current_stream() and default_stream() make a new Stream wrapper
+    at each call, whose equality is not modelled; the default stream's id is 0. So the calls on the
+    default stream are timed on the GPU clock and those inside torch.mps.stream(other) are not."""
+    with use_modelled_mps("2.15"):
+        assert torch.mps.current_stream() is not torch.mps.current_stream()
+        assert torch.mps.current_stream().stream_id == torch.mps.default_stream().stream_id == 0
+        assert clocks.gpu_clock_refusal() is None
+        with torch.mps.stream(torch.mps.Stream()):
+            assert "other than the default" in clocks.gpu_clock_refusal()
+        assert clocks.gpu_clock_refusal() is None
+
+
 # -- every op family on the shader tier, bit for bit ---------------------------------------------------------
 
 OPS_WITH_KERNELS = sorted(name for name, op in ops.OPS.items() if op.kernel is not None)

@@ -6,7 +6,9 @@ goes wrong with the clock (an error of torch's events, times that come out rever
 raises `ClockFailed`, so that a caller never mistakes a clock's trouble for its route's.
 
 - `EventClock` (the shader tier; any tier that encodes on torch's MPS stream): two timing events
-  around the batch, both recorded, then `torch.mps.synchronize()`, then `elapsed_time`. A timing
+  around the batch, both recorded, then `torch.mps.synchronize()`, then `query()` of both (an event
+  recorded into a command buffer that failed never completes, and `elapsed_time` would wait for it
+  forever on torch 2.13 and 2.14), then `elapsed_time`. A timing
   event is never synchronized: on torch 2.13 and 2.14 `Event.synchronize()` before the GPU is done,
   followed by `elapsed_time`, waits forever (pytorch#162872: `record()` and `synchronize()` each
   register a completion callback that sets one boolean, `MPSEvent::m_cpu_sync_completed`;
@@ -91,7 +93,14 @@ class EventClock:
         try:
             end.record()
             mps.synchronize()  # (the device's, never the event's: see the module docstring)
+            # An event recorded into a command buffer that failed never completes, and elapsed_time waits
+            # for it with no timeout (torch 2.13, 2.14: MPSEvent::waitForCpuSync): ask first.
+            if not (start.query() and end.query()):
+                raise ClockFailed("a timing event did not complete after torch.mps.synchronize() (a command "
+                                  "buffer of the batch failed?)")
             ms = float(start.elapsed_time(end))
+        except ClockFailed:
+            raise
         except Exception as e:
             raise ClockFailed(f"torch.mps.Event: {e}") from e
         return _checked(ms / 1e3, "torch.mps.Event.elapsed_time")
@@ -134,8 +143,8 @@ def gpu_clock_refusal() -> Optional[str]:
     current, default = getattr(mps, "current_stream", None), getattr(mps, "default_stream", None)
     if current is None or default is None:  # (torch < 2.15: one stream, the default one)
         return None
-    try:
-        if current() != default():
+    try:  # (stream ids: torch/mps/streams.py makes a new Stream wrapper at each call)
+        if current().stream_id != default().stream_id:
             return "the calls run on a torch.mps stream other than the default one, where torch cannot time them"
     except Exception as e:  # noqa: BLE001
         return f"torch.mps cannot say which stream is current ({e})"

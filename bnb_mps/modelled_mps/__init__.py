@@ -59,17 +59,28 @@ class ModelledMPS:
 
 
 class _ModelledStream:
-    """torch.mps.Stream of torch >= 2.15 (the model's streams: one default, any number of others)."""
+    """torch.mps.Stream of torch >= 2.15, as torch/mps/streams.py makes it: a wrapper of a stream id
+    (`Stream(stream_id=...)`), a new one at each current_stream()/default_stream() call. No __eq__:
+    equality of these wrappers is not modelled (object identity), so code must compare `stream_id`s."""
 
-    def __init__(self, runtime: Runtime, stream=None) -> None:
+    def __init__(self, runtime: Runtime, stream_id=None) -> None:
         self._runtime = runtime
-        self._stream = stream if stream is not None else _runtime.Stream(runtime, id(self))
+        if stream_id is None:  # torch.mps.Stream(): a new stream
+            stream = _runtime.Stream(runtime, id(self))
+            runtime.streams[stream.number] = stream
+            stream_id = stream.number
+        self._stream_id = stream_id
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _ModelledStream) and other._stream is self._stream
+    @property
+    def stream_id(self) -> int:
+        return self._stream_id
 
-    def __hash__(self) -> int:
-        return id(self._stream)
+    @property
+    def _stream(self):  # (the model's stream: tests read its number)
+        return self._runtime.streams[self._stream_id]
+
+    def __repr__(self) -> str:
+        return f"<torch.mps.Stream stream_id={self.stream_id}>"
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,13 @@ class _CurrentStream:
 
 
 def _stream_api(rt: Runtime) -> dict:
+    # torch/mps/streams.py: current_stream() = Stream(stream_id=torch._C._mps_getCurrentStream().stream_id),
+    # default_stream() = Stream(stream_id=0); stream(s) sets s and restores the one current before
     @contextlib.contextmanager
     def stream(s):
+        if s is None:
+            yield s
+            return
         before, rt.current_stream = rt.current_stream, s._stream
         try:
             yield s
@@ -92,8 +108,8 @@ def _stream_api(rt: Runtime) -> dict:
         if s is not None:
             rt.current_stream = s._stream
 
-    return {"Stream": lambda: _ModelledStream(rt), "current_stream": lambda: _ModelledStream(rt, rt.current_stream),
-            "default_stream": lambda: _ModelledStream(rt, rt.default_stream), "stream": stream,
+    return {"Stream": lambda: _ModelledStream(rt), "current_stream": lambda: _ModelledStream(rt, rt.current_stream.number),
+            "default_stream": lambda: _ModelledStream(rt, 0), "stream": stream,
             "set_stream": set_stream}  # fmt: skip
 
 

@@ -12,8 +12,19 @@ completion: a committed command buffer completes, its events are signalled and t
 called, only when the host waits for the GPU (`torch.mps.synchronize()`, an event's
 `synchronize()`, `elapsed_time`). So the GPU is never done by the host's next step, as with any real
 batch on a Mac, and a sequence that deadlocks when the host gets there first deadlocks here every
-time. The modelled GPU clock is the host's: a signal is stamped with the host's time when it is
-encoded (the work before it ran while it was encoded).
+time.
+
+The modelled GPU clock is deterministic, not the host's: the GPU runs the command buffers back to
+back, each taking `BUFFER_NS` plus `kernel_ns(name)` per kernel encoded into it (`Runtime.kernel_ns`,
+a test may set its own); a timing event is stamped with the GPU time at the end of the command buffer
+that signals it (torch >= 2.15: that buffer's GPUEndTime, MPSEvent.mm; before, the host's time when
+the shared-event listener runs, modelled with no delivery latency). So a batch's elapsed_time is the
+sum of the modelled costs of the work recorded between its two events.
+
+A command buffer that faulted (a kernel's memory fault) stops there: the event signals encoded after
+the fault never happen (Metal runs nothing of a failed buffer after its error), so an event recorded
+into it never completes, `query()` stays False, and a wait for it (`elapsed_time` waits in
+MPSEvent::waitForCpuSync with no timeout on torch 2.13 and 2.14) never returns: ModelledDeadlock.
 
 The event deadlock (pytorch#162872), torch 2.13 and 2.14: `record()` on a timing event registers a
 shared-event listener that stamps the completion time and sets `m_cpu_sync_completed`, one bool;
@@ -28,9 +39,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+
+#: modelled GPU time of one command buffer (its scheduling) and of one kernel by default
+BUFFER_NS = 2_000
+KERNEL_NS = 40_000
 
 
 class ModelledDeadlock(BaseException):
@@ -64,12 +79,12 @@ VERSIONS = {
 @dataclass
 class CommandBuffer:
     number: int
-    start_ns: int  # the modelled GPU start: the host's time at its first encode
-    end_ns: int = 0  # the modelled GPU end: the host's time at commit
+    work_ns: int = BUFFER_NS  # modelled GPU time of its work: BUFFER_NS plus each kernel's
+    end_ns: int = 0  # the modelled GPU end (set at commit: the GPU runs buffers back to back in commit order)
     committed: bool = False
     completed: bool = False
     error: Optional[str] = None  # Metal's error text of a buffer that faulted
-    signals: list = field(default_factory=list)  # (event, value, host ns) in encoding order
+    signals: list = field(default_factory=list)  # (event, value) in encoding order
     kernels: list = field(default_factory=list)  # names of the kernels encoded into it
 
 
@@ -99,6 +114,12 @@ class Event:
             self.cpu_sync_completed += 1
 
     def wait_for_cpu_sync(self) -> None:  # MPSEvent::waitForCpuSync
+        if not self.cpu_sync_completed and self.signaled_value < self.signal_counter:
+            raise ModelledDeadlock(
+                f"torch {self.runtime.behaviour.version}: MPSEvent {self.id} waits for a signal that was recorded "
+                "into a command buffer that failed, so it never comes (the wait has no timeout); the process "
+                "would hang here forever"
+            )
         if not self.cpu_sync_completed:
             raise ModelledDeadlock(
                 f"torch {self.runtime.behaviour.version}: MPSEvent {self.id} waits for a CPU sync that every "
@@ -125,13 +146,14 @@ class Stream:
 
     def command_buffer(self) -> CommandBuffer:
         if self.current is None:
-            self.current = CommandBuffer(next(self.runtime._buffer_numbers), time.perf_counter_ns())
+            self.current = CommandBuffer(next(self.runtime._buffer_numbers))
         return self.current
 
     def commit(self) -> None:  # SyncType::COMMIT
         buffer, self.current = self.current, None
         if buffer is not None:
-            buffer.committed, buffer.end_ns = True, time.perf_counter_ns()
+            self.runtime.gpu_ns += buffer.work_ns
+            buffer.committed, buffer.end_ns = True, self.runtime.gpu_ns
             self.runtime._in_flight.append(buffer)
 
 
@@ -150,6 +172,9 @@ class Runtime:
         self.completed: list[CommandBuffer] = []
         self._unreported_errors: list[str] = []
         self.events: dict[int, Event] = {}
+        self.streams: dict[int, Stream] = {0: self.default_stream}  # stream_id -> stream
+        self.gpu_ns = 1_000_000_000  # the modelled GPU clock (see the module docstring)
+        self.kernel_ns: Callable[[str], int] = lambda name: KERNEL_NS
         self.counts = {"synchronize": 0, "event_synchronize": 0, "elapsed_time": 0, "record": 0, "kernels": 0,
                        "events": 0}
 
@@ -162,8 +187,11 @@ class Runtime:
             buffer = self.current_stream.command_buffer()
             buffer.kernels.append(name)
             self.counts["kernels"] += 1
+            if buffer.error is not None:
+                return  # (a failed buffer runs nothing after its fault)
             error = run()
-            if error is not None and buffer.error is None:
+            buffer.work_ns += int(self.kernel_ns(name))
+            if error is not None:
                 buffer.error = error
 
     def complete_in_flight(self) -> None:
@@ -171,8 +199,9 @@ class Runtime:
         listeners called with the signal's time."""
         while self._in_flight:
             buffer = self._in_flight.pop(0)
-            for event, value, ns in buffer.signals:
-                event.signal(value, ns)
+            if buffer.error is None:  # (a failed buffer signals nothing: see the module docstring)
+                for event, value in buffer.signals:
+                    event.signal(value, buffer.end_ns)
             buffer.completed = True
             self.completed.append(buffer)
             if buffer.error is not None:
@@ -219,7 +248,7 @@ class Runtime:
             if event.enable_timing:
                 event._notify()
             stream = self.current_stream
-            stream.command_buffer().signals.append((event, event.signal_counter, time.perf_counter_ns()))
+            stream.command_buffer().signals.append((event, event.signal_counter))
             stream.commit()
 
     def wait_for_event(self, event_id: int) -> None:  # the GPU waits: nothing for the host to do here
