@@ -100,6 +100,17 @@ def library():
     return libraries
 
 
+@pytest.fixture(scope="session")
+def library32(library):
+    """The split-K compile unit (csrc/kernels/gemm_4bit_splitk.metal) under the emulator at Metal 3.2,
+    where its one-dispatch kernel exists (below 3.2 it is not compiled: the session's `library` has the
+    two-dispatch kernels only)."""
+    from bnb_mps.executors import emulated
+    from bnb_mps.msl import source
+
+    return emulated.compile_unit("gemm_4bit_splitk", source.units()["gemm_4bit_splitk"], metal_version="3.2")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _verification_cache(tmp_path_factory):
     """First-use verification's verdicts go to a file of this session (BNB_MPS_VERIFY_CACHE), never
