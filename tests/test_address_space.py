@@ -145,3 +145,22 @@ def test_a_header_given_alone_is_checked_as_instantiated(clang, tmp_path):
     assert [(Path(f.path).name, f.line, f.rule) for f in findings] == [("helpers.h", 6, "address-space")]
     both = address_space.check_paths([tmp_path], clang)
     assert sorted((Path(f.path).name, f.line) for f in both) == [("helpers.h", 6), ("k.metal", 8)]
+
+
+def test_a_coherent_pointer_keeps_its_qualifier_and_exists_from_metal_3_2_only(clang, tmp_path):
+    """coherent(device) is checked as a qualifier of the pointee at 3.2 (passing the workspace to a helper
+    that takes a plain device pointer drops it, and the helper's accesses are then not coherent), and is
+    unknown at 3.1, as in Metal."""
+    import dataclasses
+
+    (tmp_path / "k.metal").write_text(
+        "#include <metal_stdlib>\nusing namespace metal;\n"
+        "inline void put(device float* w, float v) {\n    w[0] = v;\n}\n"
+        "kernel void k(coherent(device) device float* w [[buffer(0)]]) {\n    put(w, 1.0f);\n}\n")
+    at_32 = dataclasses.replace(clang, flags=(*clang.flags, "-D__METAL_VERSION__=320"))
+    findings = address_space.check_paths([tmp_path / "k.metal"], at_32)
+    assert [f.line for f in findings] == [7] and findings[0].rule == "address-space"
+    (tmp_path / "k.metal").write_text((tmp_path / "k.metal").read_text().replace(
+        "inline void put(device float* w", "inline void put(coherent(device) device float* w"))
+    assert address_space.check_paths([tmp_path / "k.metal"], at_32) == []
+    assert address_space.check_paths([tmp_path / "k.metal"], clang) != []  # 3.1: no such qualifier

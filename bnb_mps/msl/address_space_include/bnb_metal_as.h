@@ -37,8 +37,11 @@
 #ifndef __METAL_VERSION__  // (-D__METAL_VERSION__=320 checks the Metal 3.2 spellings)
 #define __METAL_VERSION__ 310
 #endif
-// coherent(device) / coherent(system) (Metal 3.2): a qualifier of the pointee; nothing to check here.
-#define coherent(scope)
+// coherent(device) / coherent(system) (Metal 3.2): a qualifier of the pointee, checked as `volatile`
+// is (a coherent pointer does not convert to a plain one); undefined below 3.2, where Metal has none.
+#if __METAL_VERSION__ >= 320
+#define coherent(scope) volatile
+#endif
 #define __HAVE_BFLOAT__ 1
 #define __METAL_BNB_ADDRESS_SPACE_CHECK__ 1
 
