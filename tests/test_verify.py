@@ -956,3 +956,30 @@ def test_verification_on_this_mac(fresh_tier_selection, tmp_path):
     verdicts = bnb_mps.verify(refresh=True)
     assert failed(verdicts) == set(), {n: v.describe() for n, v in verdicts.items() if not v.passed}
     assert routing.route("gemm_4bit").tier in ("native", "shader")
+
+
+# -- compare.close: the tolerance comparison's NaN and infinity policy ------------------------------------------
+
+
+@pytest.mark.parametrize("got,want,passes", [
+    (float("nan"), float("nan"), True),  # a NaN reference is matched by NaN
+    (1.0, float("nan"), False),  # ... by nothing else
+    (float("inf"), float("nan"), False),
+    (float("nan"), 1.0, False),  # a NaN where the reference is finite
+    (float("inf"), float("inf"), True),  # an infinity by the same infinity
+    (float("-inf"), float("inf"), False),
+    (1e30, float("inf"), False),
+    (float("inf"), 1.0, False),
+    (1.05, 1.0, True),  # finite: within the tolerance, 0.1
+    (1.2, 1.0, False),
+])
+def test_close_matches_nan_and_infinities_exactly_and_measures_finite_values(got, want, passes):
+    from bnb_mps.ops.verify.compare import close
+
+    g = torch.tensor([0.5, got, 2.0], dtype=torch.float32)
+    w = torch.tensor([0.5, want, 2.0], dtype=torch.float32)
+    error = close(g, w, 0.1)
+    assert (error is None) == passes, error
+    if not passes:
+        assert "1 of 3 elements" in error and "element 1" in error, error
+    assert close(torch.tensor([1.0]), torch.tensor([1.0]), float("nan")) is not None  # (a NaN tolerance allows nothing)

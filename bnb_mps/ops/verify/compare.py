@@ -40,16 +40,21 @@ def exact(got: Any, want: Any, what: str = "result") -> Optional[str]:
 
 
 def close(got: torch.Tensor, want: torch.Tensor, allowed: torch.Tensor | float, what: str = "result") -> Optional[str]:
-    """None when |got - want| <= allowed everywhere (NaN where want is NaN), else the worst element."""
+    """None when every element of `got` is within `allowed` of `want`'s, else the worst element.
+
+    NaN and infinities are matched, never measured: where `want` is NaN, `got` must be NaN (any
+    payload); where `want` is +inf or -inf, `got` must be the same infinity; where `want` is finite,
+    |got - want| <= allowed, so a NaN or infinite `got` fails there. A NaN tolerance allows nothing."""
     if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
         return f"{what}: {got.dtype} {tuple(got.shape)} where {want.dtype} {tuple(want.shape)} was expected"
     g, w = got.double().reshape(-1), want.double().reshape(-1)
     allowed = torch.as_tensor(allowed, dtype=torch.float64).expand_as(want).reshape(-1)
     err = (g - w).abs()
-    nan = torch.isnan(w)
-    bad = torch.where(nan, ~torch.isnan(g), ~(err <= allowed))
+    nan, inf = torch.isnan(w), torch.isinf(w)
+    within = err <= allowed  # (False where err or allowed is NaN, or got is infinite and want finite)
+    bad = torch.where(nan, ~torch.isnan(g), torch.where(inf, g != w, ~within))
     if bad.any():
-        excess = torch.where(bad, err / allowed.clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(posinf=1e300)
+        excess = torch.where(bad, err / allowed.clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(nan=1e300, posinf=1e300)
         i = int(excess.argmax())
         return (f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond the tolerance; worst, element {i}: "
                 f"{g[i].item()!r} where the CPU gives {w[i].item()!r} (off by {err[i].item():.3g}, "
