@@ -518,11 +518,15 @@ def test_deterministic_algorithms_take_the_built_in_route(monkeypatch):
 
 def test_an_earlier_command_buffer_error_does_not_fail_verification_on_2_15(monkeypatch, tmp_path):
     """torch 2.15's synchronize() raises an earlier command buffer's error, once: verification takes it
-    before its own launches (it is not the family's), and its clean run passes."""
+    before its own launches (it is not the family's), so each family of the op runs once and passes, and
+    what is cached records no failed first run."""
     from bnb_mps.ops import verify
 
     monkeypatch.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
     verify.reset()
+    runs = []
+    real = verify.run_family
+    monkeypatch.setattr(verify, "run_family", lambda family, *a: runs.append(family.name) or real(family, *a))
     try:
         with use_modelled_mps("2.15") as mps:
             mps.runtime.current_stream.command_buffer().error = "planted: an earlier GPU address fault"
@@ -532,8 +536,13 @@ def test_an_earlier_command_buffer_error_does_not_fail_verification_on_2_15(monk
             bnb.quantize_blockwise.default(x, code, 64)
             assert routing.route("quantize_blockwise").tier == "shader"
             torch.mps.synchronize()  # (raised once already, not again)
+        cached = json.loads((tmp_path / "verify.json").read_text())
     finally:
         verify.reset()
+    families = verify.families_of("quantize_blockwise")
+    assert sorted(runs) == sorted(families), runs  # (each once: no second run)
+    entries = [entry for by_family in cached.values() for name, entry in by_family.items() if name in families]
+    assert len(entries) == len(families) and all(e["passed"] and not e.get("first_failure") for e in entries), entries
 
 
 # -- the commands a Mac user runs ------------------------------------------------------------------------------
