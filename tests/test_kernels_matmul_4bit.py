@@ -47,6 +47,9 @@ def path_of(case: Case) -> str:
 # One shape per path, with a K tail (K not a multiple of the simdgroup step, of 32, or of 16) and
 # an N tail (N not a multiple of the rows per threadgroup); the kernel it launches. The batch kernel and
 # the small kernel's wide variant are routes (tuning's candidates), not the built-in path of their shape.
+# The split-K paths: "splitk" (one dispatch) runs on the split-K unit compiled at Metal 3.2 (`library32`),
+# the built-in path there; "splitk/two" (the partial sums, then the sum kernel) on the session's library,
+# at 3.1, the built-in path there.
 PATH_SHAPES = {
     "gemv": ((1, 21, 1056), "bnb_gemv_4bit"),  # 1056 = 1024 + 32: the second step has a single active lane
     "batch": ((5, 13, 176), "bnb_gemm_4bit_batch"),
@@ -55,32 +58,51 @@ PATH_SHAPES = {
     # 1040 = 4 * 256 + 16: S = 4 slices of 512, 512, 16 and none (an empty slice adds zeros); 70 columns:
     # two tiles of 64, the second of 6 columns, one threadgroup over all of K
     "splitk": ((13, 70, 1040), "bnb_gemm_4bit_splitk"),
+    "splitk/two": ((13, 70, 1040), "bnb_gemm_4bit_splitk_partial"),
     # S = 8 in float32 (eight groups of 16 columns per tile), 4 otherwise; a last tile of 8 columns
-    "splitk-S8": ((16, 136, 4096), "bnb_gemm_4bit_splitk"),
+    "splitk/two-S8": ((16, 136, 4096), "bnb_gemm_4bit_splitk_partial"),
     # 1984 = 7 * 256 + 192: rows 4 phases apart in their lines, each cut where its own lines begin, a
     # group per phase (S = 4), the last slice longer than the others; 50 columns: padding rows of each phase
-    "splitk-phases": ((12, 50, 1984), "bnb_gemm_4bit_splitk"),
+    "splitk/two-phases": ((12, 50, 1984), "bnb_gemm_4bit_splitk_partial"),
     "mma": ((37, 70, 72), "bnb_gemm_4bit_mma"),  # two M tiles, two N tiles, 3 K steps (the last a half)
     "mma-any-K": ((3, 11, 45), "bnb_gemm_4bit_mma"),
 }
 
 
+def version_of(path: str) -> tuple:
+    """The Metal language version a path's kernels run at here: 3.2 for the one-dispatch split-K kernel
+    (it exists from 3.2 only), the emulator's default 3.1 for every other."""
+    return (3, 2) if path.split("-")[0] == "splitk" else (3, 1)
+
+
+def executor_of(path: str, library, library32, **kw) -> EmulatedExecutor:
+    """An executor of the kernels of `path` (the session's library; the split-K unit at 3.2 for "splitk")."""
+    version = version_of(path)
+    return EmulatedExecutor(library32 if version >= (3, 2) else library, language_version=version, **kw)
+
+
+def launches_of(kernel: str, sc: str, dt: str) -> list[str]:
+    """The kernels one call launches where the first is `kernel`: the two-dispatch split-K adds its sum kernel."""
+    return [f"{kernel}_{sc}_{dt}"] + ([f"bnb_gemm_4bit_splitk_sum_{dt}"] if kernel.endswith("_partial") else [])
+
+
 def route_of(path: str, M: int, N: int, K: int):
-    """The route that runs `path` on the shape: None where it is the built-in path."""
+    """The route that runs `path` on the shape: None where it is the built-in path (at its version)."""
+    version = version_of(path)
     path = path.split("-")[0]
-    return None if path == matmul_4bit.choose_path(M, N, K) else path
+    return None if path == matmul_4bit.choose_path(M, N, K, language_version=version) else path
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", list(PATH_SHAPES))
-def test_all_orders(library, path, dtype, nested):
+def test_all_orders(library, library32, path, dtype, nested):
     (M, N, K), kernel = PATH_SHAPES[path]
     case = Case(M, N, K, dtype=dtype, nested=nested, bias=nested, blocksize=32 if nested else 128,
                 quant_type="fp4" if dtype == torch.bfloat16 else "nf4", seed=M + N + K)  # fmt: skip
-    ex = EmulatedExecutor(library, checked=True)
+    ex = executor_of(path, library, library32, checked=True)
     run_gemm(ex, case, route_of(path, M, N, K))
-    assert ex.launched == [f"{kernel}_{'nested' if nested else 'absmax'}_{DT[dtype]}"]
+    assert ex.launched == launches_of(kernel, "nested" if nested else "absmax", DT[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -277,6 +299,7 @@ ROUNDING_SHAPES = {  # path -> (M, N, K), kernel (the built-in path of that shap
     "small": ((5, 48, 176), "bnb_gemm_4bit_small"),
     "small/wide": ((5, 48, 176), "bnb_gemm_4bit_small_wide"),
     "splitk": ((5, 48, 1024), "bnb_gemm_4bit_splitk"),
+    "splitk/two": ((5, 48, 1024), "bnb_gemm_4bit_splitk_partial"),
     "mma": ((40, 48, 128), "bnb_gemm_4bit_mma"),
     "mma-any-K": ((3, 48, 45), "bnb_gemm_4bit_mma"),
 }
@@ -315,7 +338,7 @@ def scale_factored(A: torch.Tensor, t: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("path", list(ROUNDING_SHAPES))
-def test_terms_are_products_of_the_dequantized_weights(library, path, nested):
+def test_terms_are_products_of_the_dequantized_weights(library, library32, path, nested):
     (M, N, K), kernel = ROUNDING_SHAPES[path]
     r = np.random.default_rng(K + nested)
     bs = 32 if K % 32 == 0 else 64
@@ -329,7 +352,7 @@ def test_terms_are_products_of_the_dequantized_weights(library, path, nested):
         nested_args = ()
         absmax = torch.from_numpy(r.uniform(0.3, 3.0, nblocks).astype(np.float32))  # not powers of two
     A = two_term_rows(M, K, seed=M + K)
-    ex = EmulatedExecutor(library, order="random", seed=K)
+    ex = executor_of(path, library, library32, order="random", seed=K)
     for quant_type in ("nf4", "fp4"):
         y = gemm_on(path, ex, (A, packed, [N, K], absmax, bs, quant_type, None, *nested_args))
         weight = (packed, (N, K), bs, quant_type, absmax, *nested_args)
@@ -338,12 +361,12 @@ def test_terms_are_products_of_the_dequantized_weights(library, path, nested):
         # The case tells the two formations apart.
         factored = scale_factored(A, *R.weight_parts(*weight))
         assert (factored != want).mean() > 0.1, quant_type
-    assert set(ex.launched) == {f"{kernel}_{'nested' if nested else 'absmax'}_f32"}
+    assert set(ex.launched) == set(launches_of(kernel, "nested" if nested else "absmax", "f32"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "mma"])
-def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
+@pytest.mark.parametrize("path", ["gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "splitk/two", "mma"])
+def test_half_activations_take_the_weight_in_their_dtype(library, library32, path, dtype):
     """float16 / bfloat16 activations multiply the weight as dequantize_4bit gives it in their dtype,
     T(fl32(table[q] * scale)), as bitsandbytes' dequantize-then-linear path does: with two_term_rows'
     activations (exact in T) the result is that product in float64, rounded to float32 and then to T,
@@ -353,7 +376,7 @@ def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
     packed = torch.from_numpy(ref.pack_nibbles(r.integers(0, 16, N * K).astype(np.uint8))).reshape(-1, 1)
     absmax = torch.from_numpy(r.uniform(0.3, 3.0, N * K // 32).astype(np.float32))
     A = two_term_rows(M, K, seed=M + K + 1).to(dtype)
-    ex = EmulatedExecutor(library, order="random", seed=K)
+    ex = executor_of(path, library, library32, order="random", seed=K)
     for quant_type in ("nf4", "fp4"):
         y = gemm_on(path, ex, (A, packed, [N, K], absmax, 32, quant_type))
         W = R.dequantized_weight(packed, (N, K), 32, quant_type, absmax)
@@ -361,7 +384,7 @@ def test_half_activations_take_the_weight_in_their_dtype(library, path, dtype):
         assert torch.equal(y, want), f"{quant_type}: {(y != want).sum()} outputs differ"
         with_float32_weights = torch.from_numpy(R.matmul(A, W).astype(np.float32)).to(dtype)
         assert (with_float32_weights != want).float().mean() > 0.05, quant_type
-    assert set(ex.launched) == {f"{kernel}_absmax_{DT[dtype]}"}
+    assert set(ex.launched) == set(launches_of(kernel, "absmax", DT[dtype]))
 
 
 # -- empty products, bad input ------------------------------------------------------------------------
@@ -399,34 +422,51 @@ def test_inner_dimension_is_checked():
 # -- the switch points ------------------------------------------------------------------------------
 
 
-def test_switch_points_are_shape_constants():
+@pytest.mark.parametrize("version,splitk", [((3, 2), "splitk"), ((4, 0), "splitk"), ((3, 1), "splitk/two"),
+                                            (None, "splitk/two")])  # fmt: skip
+def test_switch_points_are_shape_constants(version, splitk):
+    """The same switch points at every Metal language version; the split-K path is the one-dispatch
+    kernel from 3.2, the two-dispatch one below (and where the version is not known)."""
     assert (matmul_4bit.GEMV_MAX_M, matmul_4bit.SMALL_MAX_M) == (1, 32)
-    paths = [matmul_4bit.choose_path(M, 4096, 4096) for M in (1, 2, 8, 9, 32, 33, 512)]
-    assert paths == ["gemv", "splitk", "splitk", "splitk", "splitk", "mma", "mma"]
-    assert matmul_4bit.choose_path(1, 4096, 4128) == "gemv"  # K % 32 == 0
-    assert matmul_4bit.choose_path(1, 4096, 4112) == "batch"  # K % 32 == 16
-    assert matmul_4bit.choose_path(8, 4096, 4112) == "splitk"
+
+    def choose(M, N, K):
+        return matmul_4bit.choose_path(M, N, K, language_version=version)
+
+    paths = [choose(M, 4096, 4096) for M in (1, 2, 8, 9, 32, 33, 512)]
+    assert paths == ["gemv", splitk, splitk, splitk, splitk, "mma", "mma"]
+    assert choose(1, 4096, 4128) == "gemv"  # K % 32 == 0
+    assert choose(1, 4096, 4112) == "batch"  # K % 32 == 16
+    assert choose(8, 4096, 4112) == splitk
     # below two slices of 256 the small kernel (and no split-K route)
-    assert [matmul_4bit.choose_path(8, 4096, K) for K in (496, 512)] == ["small", "splitk"]
-    assert "splitk" not in matmul_4bit.paths(8, 4096, 496) and "small" in matmul_4bit.paths(8, 4096, 512)
-    assert matmul_4bit.choose_path(1, 4096, 4100) == "mma"  # K % 16 != 0
-    assert matmul_4bit.choose_path(8, 4096, 4100) == "mma"
+    assert [choose(8, 4096, K) for K in (496, 512)] == ["small", splitk]
+    below = matmul_4bit.paths(8, 4096, 496, language_version=version)
+    assert not {"splitk", "splitk/two"} & set(below) and "small" in matmul_4bit.paths(8, 4096, 512,
+                                                                                     language_version=version)
+    assert choose(1, 4096, 4100) == "mma"  # K % 16 != 0
+    assert choose(8, 4096, 4100) == "mma"
 
 
 def test_small_routes_refuse_more_rows_than_they_hold():
     packed, absmax = make_weight(Case(1, 8, 64))
-    for route in ("small", "small/wide", "splitk"):
+    at_3_2 = NoLaunch()
+    at_3_2.language_version = (3, 2)  # (where the one-dispatch split-K kernel exists)
+    for route in ("small", "small/wide", "splitk", "splitk/two"):
         with pytest.raises(ValueError, match=f"gemm_4bit: route '{route}' computes at most 32 rows of A, got M = 33"):
-            matmul_4bit.gemm_4bit(NoLaunch(), torch.ones(33, 64), packed, [8, 64], absmax, 64, "nf4", route=route)
+            matmul_4bit.gemm_4bit(at_3_2, torch.ones(33, 64), packed, [8, 64], absmax, 64, "nf4", route=route)
 
 
-@pytest.mark.parametrize("M,kernel,grid,threads", [
-    (1, "bnb_gemv_4bit_nested_bf16", (512, 1, 1), (64, 1, 1)),
-    (8, "bnb_gemm_4bit_splitk_nested_bf16", (256, 1, 1), (128, 1, 1)),  # S = 4: 64 tiles of 64 columns
-    (32, "bnb_gemm_4bit_splitk_nested_bf16", (256, 1, 1), (128, 1, 1)),  # S = 8: 32 tiles of 128
-    (512, "bnb_gemm_4bit_mma_nested_bf16", (16, 64, 1), (128, 1, 1)),
+@pytest.mark.parametrize("version,M,launches", [
+    (None, 1, [("bnb_gemv_4bit_nested_bf16", (512, 1, 1), (64, 1, 1))]),
+    ((3, 2), 8, [("bnb_gemm_4bit_splitk_nested_bf16", (256, 1, 1), (128, 1, 1))]),  # S = 4: 64 tiles of 64 columns
+    ((3, 2), 32, [("bnb_gemm_4bit_splitk_nested_bf16", (256, 1, 1), (128, 1, 1))]),  # S = 8: 32 tiles of 128
+    # below 3.2 the same threadgroups of partial sums, then a threadgroup per tile and 128 of its M x 16 S outputs
+    ((3, 1), 8, [("bnb_gemm_4bit_splitk_partial_nested_bf16", (256, 1, 1), (128, 1, 1)),
+                 ("bnb_gemm_4bit_splitk_sum_bf16", (64, 4, 1), (128, 1, 1))]),
+    ((3, 1), 32, [("bnb_gemm_4bit_splitk_partial_nested_bf16", (256, 1, 1), (128, 1, 1)),
+                  ("bnb_gemm_4bit_splitk_sum_bf16", (32, 32, 1), (128, 1, 1))]),
+    (None, 512, [("bnb_gemm_4bit_mma_nested_bf16", (16, 64, 1), (128, 1, 1))]),
 ])  # fmt: skip
-def test_launch_geometry(M, kernel, grid, threads):
+def test_launch_geometry(version, M, launches):
     N = K = 4096
     meta = {"device": "meta"}
     args = (torch.empty(M, K, dtype=torch.bfloat16, **meta), torch.empty(N * K // 2, 1, dtype=torch.uint8, **meta),
@@ -434,8 +474,9 @@ def test_launch_geometry(M, kernel, grid, threads):
             torch.empty(N * K // 64, dtype=torch.uint8, **meta), torch.empty(256, **meta),
             torch.empty((), **meta))  # fmt: skip
     rec = RecordingExecutor()
+    rec.language_version = version
     call(OPS["gemm_4bit"], args, {}, rec)
-    assert [(k, g, t) for k, g, t, _ in rec.launches] == [(kernel, grid, threads)]
+    assert [(k, g, t) for k, g, t, _ in rec.launches] == launches
 
 
 # -- Apple float semantics: huge and subnormal block scales and activations (docs/semantics.md section 7) --
