@@ -3,11 +3,12 @@ count M: the table of docs/small-batch.md, and what tests/test_small_batch_cost.
 the least traffic the model can charge any kernel with half the M = 1 call's threadgroups (`lower_bound`).
 
     python scripts/cost_model_matmul_4bit.py [--shapes 3072x1024,1024x3072] [--m 1,2,...] [--dtype float16]
-        [--counts] [--float32-absmax]
+        [--counts] [--float32-absmax] [--metal 3.1]
 
 One call = one gemm_4bit call on a nested NF4 weight (blocksize 64, as QLoRA loads a model; with
 `--float32-absmax` one without double quantization, as transformers loads it by default), profiled by
-the emulator (`use_emulated_kernels(profile=True)`): its launches, threadgroups, modelled DRAM traffic
+the emulator (`use_emulated_kernels(profile=True)`, at Metal 3.2 or `--metal`): its launches, the
+threadgroups that form the products (the two-dispatch split-K's sum kernel forms none), modelled DRAM traffic
 (the profile's largest traffic term, `traffic_bytes`: lines each threadgroup touches, summed), the part
 of it that is A's, and the unique bytes (lines touched at all). Modelled time on a chip = traffic /
 its peak bandwidth (bnb_mps.chips): a figure of the model, not of hardware.
@@ -27,6 +28,9 @@ import torch
 
 BLOCKSIZE = 64
 A_ARG, B_ARG = 0, 1  # buffer indices of A and the packed weight (csrc/kernels/gemm_4bit.metal)
+#: the Metal language version the kernels are profiled at: 3.2, where the split-K product is one dispatch
+#: (`--metal 3.1`: two, its partial sums and their sum)
+METAL_VERSION = "3.2"
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class Figures:
     path: str
     M: int
     kernels: tuple[str, ...]
-    threadgroups: int
+    threadgroups: int  # of the launch that forms the products (the first: a split-K sum kernel forms none)
     traffic: int  # modelled DRAM traffic, bytes
     a_traffic: int  # the part of it in A's buffer
     b_traffic: int  # the part of the traffic in the packed weight's buffer
@@ -67,24 +71,28 @@ def scale_bytes(nested: bool) -> int:
     return 1 if nested else 4
 
 
-def profile(N: int, K: int, M: int, dtype: torch.dtype, path: Optional[str] = None, nested: bool = True) -> Figures:
+def profile(N: int, K: int, M: int, dtype: torch.dtype, path: Optional[str] = None, nested: bool = True,
+            metal_version: Optional[str] = None) -> Figures:  # fmt: skip
     """One gemm_4bit call of M rows on the built-in route (path None) or the kernel path `path`, on the
-    nested weight (`nested`) or the one with float32 absmax (`weight`)."""
+    nested weight (`nested`) or the one with float32 absmax (`weight`), with the kernels compiled at
+    `metal_version` (default METAL_VERSION). Its figures are the sums over the call's launches."""
     from bnb_mps.ops import OPS, call, matmul_4bit
     from bnb_mps.testing import use_emulated_kernels
 
+    version = metal_version or METAL_VERSION
     packed, absmax, *codes = weight(N, K, nested)
     A = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
     args = (A, packed, [N, K], absmax, BLOCKSIZE, "nf4", None, *codes)
-    with use_emulated_kernels(profile=True) as rec:
+    with use_emulated_kernels(profile=True, metal_version=version) as rec:
         if path is None:
             call(OPS["gemm_4bit"], args, {}, rec)
         else:
             matmul_4bit.gemm_4bit(rec, *args, route=path)
     ps = rec.profiles
-    built_in = matmul_4bit.choose_path(M, N, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE)
+    built_in = matmul_4bit.choose_path(M, N, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE,
+                                       tuple(int(v) for v in version.split(".")))  # fmt: skip
     return Figures(path or built_in, M, tuple(rec.launched),
-                   sum(p.threadgroups for p in ps), sum(p.traffic_bytes for p in ps),
+                   ps[0].threadgroups, sum(p.traffic_bytes for p in ps),
                    sum(p.buffers[A_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
                    sum(p.buffers[B_ARG].lines_summed_over_threadgroups * p.line_bytes for p in ps),
                    max(p.buffers[B_ARG].lines for p in ps), sum(p.lines * p.line_bytes for p in ps))  # fmt: skip
@@ -219,12 +227,16 @@ DEFAULT_SHAPES = "3072x1024,1024x3072,4096x4096"
 DEFAULT_M = "1,2,3,4,5,6,8,12,16,24,32,48,64"
 
 
-def routes(M: int, N: int, K: int, dtype: torch.dtype = torch.float16, nested: bool = True) -> list[str]:
-    """The kernel routes of a call (bnb_mps.ops.matmul_4bit.paths), the built-in one first, without
-    gemv/tglut (the gemv kernel's traffic: only the table's address space differs)."""
+def routes(M: int, N: int, K: int, dtype: torch.dtype = torch.float16, nested: bool = True,
+           metal_version: Optional[str] = None) -> list[str]:  # fmt: skip
+    """The kernel routes of a call (bnb_mps.ops.matmul_4bit.paths) at `metal_version` (default
+    METAL_VERSION), the built-in one first, without gemv/tglut (the gemv kernel's traffic: only the
+    table's address space differs)."""
     from bnb_mps.ops import matmul_4bit
 
-    return [p for p in matmul_4bit.paths(M, N, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE) if p != "gemv/tglut"]
+    version = tuple(int(v) for v in (metal_version or METAL_VERSION).split("."))
+    return [p for p in matmul_4bit.paths(M, N, K, dtype.itemsize, scale_bytes(nested), BLOCKSIZE, version)
+            if p != "gemv/tglut"]  # fmt: skip
 
 
 def table(shapes: list[tuple[int, int]], ms: list[int], dtype: torch.dtype, out=sys.stdout,
@@ -272,7 +284,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="print the split-K shape's count per S (`shape_count`) instead of the routes' table")
     parser.add_argument("--float32-absmax", action="store_true",
                         help="a weight with float32 absmax (no double quantization) instead of the nested one")
+    parser.add_argument("--metal", default=METAL_VERSION, choices=("3.1", "3.2", "4.0"),
+                        help=f"the Metal language version of the kernels (default {METAL_VERSION}; below 3.2 the "
+                             "split-K product is two dispatches)")
     args = parser.parse_args(argv)
+    globals()["METAL_VERSION"] = args.metal
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     ms = [int(m) for m in args.m.split(",")]
     start = time.perf_counter()

@@ -147,6 +147,34 @@ def test_the_built_in_route_is_the_small_or_split_k_kernel_whichever_models_less
     assert seen == {"small", "splitk"}
 
 
+def test_below_metal_3_2_the_built_in_route_is_two_dispatches_or_the_small_kernel_whichever_models_less(profiler):
+    """Below Metal 3.2 (no one-dispatch kernel) `choose_path` takes, for 2 <= M <= 32 from K = 512, the
+    two-dispatch split-K path or the small kernel, whichever the profile charges less over the bucket;
+    the model charges the second dispatch honestly: the two dispatches' traffic exceeds the one
+    dispatch's (at 3.2, the same S) by what `splitk_cost` says, 4 M - 8 bytes a column (every partial sum
+    read back, no counter line)."""
+    from bnb_mps.ops import candidates, matmul_4bit, small_batch
+
+    seen = set()
+    for N, K, nested, buckets in ROUTE_CASES:
+        for bucket in buckets:
+            assert {candidates.m_bucket(M) for M in bucket} == {candidates.m_bucket(bucket[-1])}
+            charged = {route: sum(cm.profile(N, K, M, torch.float16, route, nested, "3.1").traffic for M in bucket)
+                       for route in ("small", "splitk/two")}  # fmt: skip
+            built_in = [cm.profile(N, K, M, torch.float16, nested=nested, metal_version="3.1") for M in bucket]
+            want = min(charged, key=charged.get)
+            assert {f.path for f in built_in} == {want}, (N, K, nested, bucket, charged)
+            assert sum(f.traffic for f in built_in) == charged[want]
+            seen.add(want)
+            for M in bucket:
+                one = cm.profile(N, K, M, torch.float16, "splitk", nested, "3.2")
+                two = cm.profile(N, K, M, torch.float16, "splitk/two", nested, "3.1")
+                S = matmul_4bit.splitk_splits(M, K, 2, cm.scale_bytes(nested), cm.BLOCKSIZE)
+                model = [small_batch.splitk_cost(M, K, 2, S, cm.scale_bytes(nested), cm.BLOCKSIZE, d) for d in (1, 2)]
+                assert N % (16 * S) == 0 and two.traffic - one.traffic == N * (model[1] - model[0]) == N * (4 * M - 8)
+    assert seen == {"small", "splitk/two"}
+
+
 def test_the_bound_charges_each_threadgroup_a_scale_line_share_per_weight_row(profiler, monkeypatch):
     """K = 4096: a weight row's 64 scale bytes are half a 128-byte line, so a threadgroup that touches a
     row reads at least 64 bytes of scales for it (`scale_line_share`), whatever slice of K it takes. The
@@ -267,9 +295,9 @@ def test_as_many_threadgroups_as_gemv_leave_deterministic_split_k_no_room_at_8_r
 CUDA_UNITS = 1.6
 
 
-@pytest.mark.parametrize("route", ["small", "small/wide", "splitk"])
+@pytest.mark.parametrize("route", ["small", "small/wide", "splitk", "splitk/two"])
 @pytest.mark.parametrize("M,K", [(2, 4096), (16, 4096), (32, 11008)])
-def test_float32_error_against_float64(library, route, M, K):
+def test_float32_error_against_float64(library, library32, route, M, K):
     import reference_matmul_4bit as R
     from matmul_4bit_cases import Case, gemm_args
 
@@ -278,7 +306,8 @@ def test_float32_error_against_float64(library, route, M, K):
 
     case = Case(M, 24, K, dtype=torch.float32, nested=True, bias=True, seed=M + K)
     A, args, W, bias = gemm_args(case)
-    ex = EmulatedExecutor(library)
+    # (the one-dispatch split-K kernel exists from Metal 3.2: the split-K unit compiled there)
+    ex = EmulatedExecutor(library32, language_version=(3, 2)) if route == "splitk" else EmulatedExecutor(library)
     y = matmul_4bit.gemm_4bit(ex, *args, route=route).double()
     Wd = torch.as_tensor(W, dtype=torch.float64)
     Ad = A.double().reshape(M, K)
@@ -287,7 +316,10 @@ def test_float32_error_against_float64(library, route, M, K):
     units = ((y - exact).abs() / unit).max().item()
     print(f"{route} M={M} K={K}: {units:.3f} units")
     assert units <= 1.5 * CUDA_UNITS + 1, units
-    assert ex.launched == [f"bnb_gemm_4bit_{route.replace('/', '_')}_nested_f32"]
+    if route == "splitk/two":
+        assert ex.launched == ["bnb_gemm_4bit_splitk_partial_nested_f32", "bnb_gemm_4bit_splitk_sum_f32"]
+    else:
+        assert ex.launched == [f"bnb_gemm_4bit_{route.replace('/', '_')}_nested_f32"]
 
 
 def test_the_table_marks_the_built_in_route_of_each_m(profiler):
@@ -297,8 +329,9 @@ def test_the_table_marks_the_built_in_route_of_each_m(profiler):
     rows = cm.table([(64, 512)], [1, 2, 40], torch.bfloat16, out=buf)
     text = buf.getvalue()
     assert [(f.M, f.path) for f in rows] == [
-        (1, "gemv"), (1, "batch"), (1, "small"), (1, "small/wide"), (1, "splitk"), (1, "mma"),
-        (2, "splitk"), (2, "gemv"), (2, "batch"), (2, "small"), (2, "small/wide"), (2, "mma"), (40, "mma")]
+        (1, "gemv"), (1, "batch"), (1, "small"), (1, "small/wide"), (1, "splitk"), (1, "splitk/two"), (1, "mma"),
+        (2, "splitk"), (2, "gemv"), (2, "batch"), (2, "small"), (2, "small/wide"), (2, "splitk/two"), (2, "mma"),
+        (40, "mma")]
     assert "1 | gemv * |" in text and "2 | splitk * |" in text and "40 | mma * |" in text and "2 | batch |" in text
     # the bound of every kernel with half the M = 1 call's threadgroups, above the table's routes of each M
     one = rows[0]
@@ -310,6 +343,6 @@ def test_the_table_marks_the_built_in_route_of_each_m(profiler):
     for chip in cm.CHIPS:
         assert f"{chip} us" in text
     m1 = next(line for line in text.splitlines() if line.startswith("2 | splitk *")).split(" | ")
-    f = rows[6]
+    f = rows[7]
     assert float(m1[2]) == pytest.approx(f.traffic / 1e6, abs=1e-3)
     assert float(m1[8]) == pytest.approx(f.traffic / 68.25e9 * 1e6, abs=0.05)  # M1: 68.25 GB/s (bnb_mps.chips)
