@@ -85,12 +85,13 @@ def same_bits(got, want) -> bool:
     return got == want
 
 
-def gemm_by_hand(route: str, args: list):
-    """gemm_4bit computed on `route` directly (tuning off: nothing here goes through a choice)."""
+def gemm_by_hand(route: str, args: list, metal_version: str = "3.1"):
+    """gemm_4bit computed on `route` directly (tuning off: nothing here goes through a choice), with the
+    kernels compiled at `metal_version`."""
     args = copy.deepcopy(args)
     if route == "bitsandbytes":  # bitsandbytes alone (bnb-mps is not registered for the cpu key here)
         return bnb.gemm_4bit.default(*args)
-    with use_emulated_kernels() as kernels:
+    with use_emulated_kernels(metal_version=metal_version) as kernels:
         if route == "dequantize+linear":  # bitsandbytes' ops (served by bnb-mps' kernels here), then linear
             A, B, shapeB, absmax, blocksize, quant_type, bias, q8, code8, offset = args
             if q8 is not None:
@@ -124,19 +125,25 @@ def test_the_fastest_route_serves_the_result_of_that_route(M, route, nested):
     assert kernels.launched == launched_by(route, nested), kernels.launched
 
 
-@pytest.mark.parametrize("route", ["splitk", "small"])
-def test_from_k_512_the_split_k_kernel_is_the_built_in_route_and_a_candidate(route):
-    """K = 512 (two slices of 256): the split-K kernel serves the first call and is measured beside the
-    small kernel and the others; whichever the timings favour then serves, bit for bit."""
+SPLITK_ROUTES = [("3.2", "splitk"), ("3.2", "splitk/two"), ("3.2", "small"), ("3.1", "splitk/two"), ("3.1", "small")]
+
+
+@pytest.mark.parametrize("metal_version,route", SPLITK_ROUTES, ids=[f"metal{v}-{r}" for v, r in SPLITK_ROUTES])
+def test_from_k_512_the_split_k_kernel_is_the_built_in_route_and_a_candidate(metal_version, route):
+    """K = 512 (two slices of 256): the split-K kernel serves the first call (one dispatch from Metal 3.2,
+    two below) and is measured beside the small kernel and the others (the two-dispatch split-K at 3.2
+    too; the one-dispatch kernel never below 3.2); whichever the timings favour then serves, bit for bit."""
     args = gemm_args(3, K=512, dtype=torch.float16, bias=True)
-    want = gemm_by_hand(route, args)
-    with use_emulated_kernels() as kernels, fixed_timings(times_favouring(route)):
+    want = gemm_by_hand(route, args, metal_version)
+    with use_emulated_kernels(metal_version=metal_version) as kernels, fixed_timings(times_favouring(route)):
         got = bnb.gemm_4bit.default(*copy.deepcopy(args))
         kernels.clear()
         again = bnb.gemm_4bit.default(*copy.deepcopy(args))
     row = row_of("gemm_4bit")
-    assert row["default"] == "splitk" and row["choice"] == route, row
-    assert set(row["times"]) == set(candidates_of(3)) | {"splitk"}, row
+    default = "splitk" if metal_version == "3.2" else "splitk/two"
+    assert row["default"] == default and row["choice"] == route, row
+    splitk = {"splitk", "splitk/two"} if metal_version == "3.2" else {"splitk/two"}
+    assert set(row["times"]) == set(candidates_of(3)) | splitk, row
     assert same_bits(got, want) and same_bits(again, want)
     assert kernels.launched == launched_by(route, True), kernels.launched
 
@@ -154,6 +161,7 @@ def launched_by(route: str, nested: bool) -> list:
             "batch": [f"bnb_gemm_4bit_batch_{sc}_{dt}"], "mma": [f"bnb_gemm_4bit_mma_{sc}_{dt}"],
             "small": [f"bnb_gemm_4bit_small_{sc}_{dt}"], "small/wide": [f"bnb_gemm_4bit_small_wide_{sc}_{dt}"],
             "splitk": [f"bnb_gemm_4bit_splitk_{sc}_{dt}"],
+            "splitk/two": [f"bnb_gemm_4bit_splitk_partial_{sc}_{dt}", f"bnb_gemm_4bit_splitk_sum_{dt}"],
             "dequantize+linear": scales + [f"bnb_dequantize_4bit_nf4_{dt}"],
             # (bitsandbytes' gemm_4bit calls the dequantize ops through the dispatcher, where the same timings
             # make bitsandbytes' own CPU dequantize_blockwise serve; its CPU dequantize_4bit is no route here)
@@ -413,12 +421,23 @@ def test_routes_of_an_unverified_family_are_never_candidates(fresh_tier_selectio
         verify.reset()
 
 
-def test_a_split_k_kernel_that_fails_verification_gives_way_to_the_small_kernel(fresh_tier_selection, tmp_path):
-    """A GPU tier (the emulated executor standing in as "shader") on which the split-K kernels' partial
-    sums never reach the output (their launches dropped, as if the threadgroups' hand-over did not
-    hold on this GPU): matmul_4bit_splitk fails first-use verification, and the calls it would serve
-    (2 <= M <= 32, K >= 512) take the small kernel, with tuning off and on, the ops staying on the tier;
-    the split-K kernels never run for the user."""
+@pytest.mark.parametrize("metal_version,route,families", [
+    ("3.2", "splitk", ("matmul_4bit_splitk", "matmul_4bit_splitk_two")), ("3.1", "splitk/two", ("matmul_4bit_splitk_two",))])
+def test_a_split_k_kernel_that_fails_verification_gives_way_to_the_small_kernel(fresh_tier_selection, tmp_path,
+                                                                                metal_version, route, families):
+    """A GPU tier (the emulated executor standing in as "shader", its kernels compiled at `metal_version`)
+    on which the split-K kernels' partial sums never reach the output (their launches dropped, as if the
+    threadgroups' hand-over did not hold on this GPU): the families of the tier's split-K paths (one
+    dispatch from Metal 3.2, and two; two only below) fail first-use verification, and the calls they
+    would serve (2 <= M <= 32, K >= 512) take the small kernel, with tuning off and on, the ops staying on
+    the tier; the split-K kernels never run for the user."""
+    from bnb_mps.executors import emulated
+
+    with emulated.settings(metal_version=metal_version):
+        _split_k_gives_way(fresh_tier_selection, tmp_path, route, families, tuple(map(int, metal_version.split("."))))
+
+
+def _split_k_gives_way(fresh_tier_selection, tmp_path, route, families, version):
     class Dropping(RecordingExecutor):
         def launch(self, kernel, *, grid, threadgroup, args):
             if "_splitk_" in kernel:
@@ -427,29 +446,30 @@ def test_a_split_k_kernel_that_fails_verification_gives_way_to_the_small_kernel(
             super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
 
     calls = {M: gemm_args(M, N=40, K=1024, dtype=torch.float16, bias=True, seed=M) for M in (3, 8)}
-    assert all(ops.matmul_4bit.choose_path(M, 40, 1024) == "splitk" for M in calls)
-    wants = {M: gemm_by_hand("small", args) for M, args in calls.items()}
+    assert all(ops.matmul_4bit.choose_path(M, 40, 1024, language_version=version) == route for M in calls)
+    wants = {M: gemm_by_hand("small", args, "{}.{}".format(*version)) for M, args in calls.items()}
     stand_in = stand_in_for_shader(fresh_tier_selection, tmp_path, Dropping(executors.load_tier("emulated")))
     try:
-        assert not verify.verdict("matmul_4bit_splitk", "shader", stand_in).passed
+        assert not any(verify.verdict(family, "shader", stand_in).passed for family in families)
+        family = families[0]  # (the built-in split-K path's)
         stand_in.clear()
         for M, how in ((3, "0"), (8, "1")):  # tuning off, then on
             fresh_tier_selection.setenv(tuning.ENV_VAR, how)
-            with fixed_timings(times_favouring("splitk")), warnings.catch_warnings(record=True) as caught:
+            with fixed_timings(times_favouring(route)), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 got = ops.op_packet("gemm_4bit").redispatch(MPS, *copy.deepcopy(calls[M]))
             assert same_bits(got, wants[M]), M
             said = [str(w.message) for w in caught if issubclass(w.category, verify.VerificationWarning)]
             if M == 3:  # (the user is told once, and asked for the acceptance run's report)
-                assert len(said) == 1 and "matmul_4bit_splitk kernels failed verification" in said[0], said
+                assert len(said) == 1 and f"{family} kernels failed verification" in said[0], said
                 assert "other kernel paths serve their calls" in said[0] and "mac_acceptance.sh" in said[0]
             else:
                 assert said == [], said
         assert ops.route("gemm_4bit").tier == "shader"  # (the family takes no op off the tier)
         assert not [k for k in stand_in.launched if "_splitk_" in k] and any("_small_" in k for k in stand_in.launched)
         row = row_of("gemm_4bit", key=candidates._matmul_key("gemm_4bit", calls[8]))
-        assert row["default"] == "small" and row["choice"] != "splitk", row
-        assert "matmul_4bit_splitk did not pass" in row["left_out"]["splitk"]
+        assert row["default"] == "small" and row["choice"] != route, row
+        assert f"{family} did not pass" in row["left_out"][route]
     finally:
         verify.reset()
 

@@ -337,7 +337,7 @@ def table() -> list[dict]:
     mine = {}
     for tier in ("native", "shader", "emulated"):
         try:
-            mine[_machine_key(tier)] = tier
+            mine[_machine_key(tier, _executor_of(tier))] = tier
         except Exception:  # (no kernel source: nothing cached can be ours)
             return list(rows.values())
     for machine, entries in _read().items():
@@ -348,6 +348,23 @@ def table() -> list[dict]:
             if d is not None and (machine, key) not in rows:
                 rows[machine, key] = d.row()
     return list(rows.values())
+
+
+def _executor_of(tier: str):
+    """The executor whose kernels `tier` runs in this process, where one is known without compiling
+    anything (the selected tier's; the emulated tier's process-wide executor), else None: what the key
+    of its cached choices holds (the kernels' Metal language version)."""
+    from .. import executors
+
+    sel = executors.selection()
+    if sel.tier == tier:
+        return sel.executor
+    if tier == "emulated":
+        try:
+            return executors.load_tier("emulated")
+        except Exception:  # noqa: BLE001 (no emulator here: nothing of it cached either)
+            return None
+    return None
 
 
 def reset() -> None:
