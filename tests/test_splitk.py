@@ -319,3 +319,108 @@ def test_each_line_of_the_weight_and_of_the_output_is_moved_by_one_threadgroup(M
     if N % width == 0 and N * size % 128 == 0:  # (whole tiles on whole lines: no line written twice)
         assert out.lines_summed_over_threadgroups == out.lines
     R.check_accuracy(y.reshape(-1, N), A.reshape(-1, K), W, bias)
+
+
+# -- first-use verification: what can see a stale hand-over, and what its verdicts hold for --------------------
+
+
+def test_the_split_k_families_call_one_shape_four_times_with_a_and_minus_a():
+    """Both split-K families (one dispatch, from Metal 3.2; two) end with four calls of one shape of at
+    least 8 tiles of several slices, A and -A in turn, each compared with the reference: the same slots
+    of the workspace every call, so a partial sum of the call before, read where the hand-over did not
+    hold, changes the sign of a result."""
+    from bnb_mps.ops import verify
+
+    for name, route in (("matmul_4bit_splitk", "splitk"), ("matmul_4bit_splitk_two", "splitk/two")):
+        family = verify.FAMILIES[name]
+        assert family.ops == () and "gemm_4bit" in family.serves and family.unit == UNIT
+        assert family.language_version == (ONE if route == "splitk" else None)
+        cases = list(family.cases())
+        assert {c.route for c in cases} == {route}
+        repeated = [c for c in cases if ", call " in c.label]
+        assert len(repeated) == 4 and cases[-4:] == repeated
+        A = repeated[0].args[0]
+        M, K = A.shape
+        N = repeated[0].args[2][0]
+        S = matmul_4bit.splitk_splits(M, K, A.element_size())
+        assert S >= 4 and -(-N // (16 * S)) >= 8, (N, S)
+        for i, c in enumerate(repeated):
+            assert c.op == "gemm_4bit" and c.args[2] == [N, K] and c.args[1] is repeated[0].args[1]
+            assert torch.equal(c.args[0], A if i % 2 == 0 else -A), i
+
+
+def test_a_stale_partial_sum_fails_the_two_dispatch_family(library):
+    """The two-dispatch family run on a tier that drops the partial-sum launches of the repeated calls
+    after the first (their sum kernel then adds the slots the call before wrote, as a hand-over that did
+    not hold would): it fails on the second call, the first with -A."""
+    from bnb_mps.ops import verify
+    from bnb_mps.ops.verify import runner
+
+    class StaleAfterFirst(EmulatedExecutor):
+        seen = 0
+
+        def launch(self, kernel, *, grid, threadgroup, args):
+            if "_splitk_partial_" in kernel and grid[0] == 33:  # (9 tiles of 4 slices, the last of one)
+                self.seen += 1
+                if self.seen > 1:
+                    return
+            super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    ex = StaleAfterFirst(library, language_version=TWO)
+    v = runner.run_family(verify.FAMILIES["matmul_4bit_splitk_two"], ex, "cpu")
+    assert ex.seen == 4 and not v.passed and "call 2 of 4 (-A)" in v.case, v.describe()
+    assert runner.run_family(verify.FAMILIES["matmul_4bit_splitk_two"], EmulatedExecutor(library), "cpu").passed
+
+
+class _Tier:
+    """An executor as the op layer and the verification key see it: a name and a language version."""
+
+    def __init__(self, version):
+        self.name, self.language_version = "emulated", version
+
+
+def test_the_verdict_key_holds_the_language_version_and_the_units_text(monkeypatch, tmp_path):
+    """A verdict holds for the Metal language version the kernels were compiled at and, for a family of
+    one compile unit, for that unit's text: a 3.1 verdict never serves 3.2 kernels (nor the other way),
+    and a change of the split-K unit's text is verified again, also where the cache has a verdict."""
+    import shutil
+
+    from bnb_mps.ops import verify
+    from bnb_mps.ops.verify import Verdict, first_use, machine_key
+
+    keys = {v: machine_key.cache_key("emulated", "h", _Tier(v)) for v in ((3, 1), (3, 2), None)}
+    assert len(set(keys.values())) == 3
+    assert " | Metal 3.1" in keys[(3, 1)]
+    assert " | Metal 3.2" in keys[(3, 2)] and " | Metal default" in keys[None]
+    assert " | Metal 3.1" in machine_key.cache_key("shader", "h")  # (off macOS torch asks for 3.1)
+
+    monkeypatch.setenv(verify.CACHE_ENV_VAR, str(tmp_path / "verify.json"))
+    monkeypatch.delenv(verify.ENV_VAR, raising=False)
+    runs = []
+
+    def counted(family, executor, device):
+        runs.append((family.name, executor.language_version))
+        return Verdict(family.name, True, 0.0)
+
+    monkeypatch.setattr(verify, "run_family", counted)
+    verify.reset()
+    try:
+        for version in ((3, 1), (3, 2), (3, 1), (3, 2)):
+            assert verify.verdict("matmul_4bit_splitk_two", "emulated", _Tier(version)).passed
+        assert runs == [("matmul_4bit_splitk_two", (3, 1)), ("matmul_4bit_splitk_two", (3, 2))]
+        verify.reset()  # (a new process: the cache file alone)
+        assert verify.verdict("matmul_4bit_splitk_two", "emulated", _Tier((3, 2))).cached and len(runs) == 2
+        # the split-K unit's text changed (a copy of the kernels with one more line in its header): its
+        # families' key part changes, the others' has none
+        before = first_use._unit_key(verify.FAMILIES["matmul_4bit_splitk_two"])
+        assert before.startswith(f" | unit {UNIT} ") and first_use._unit_key(verify.FAMILIES["matmul_4bit_small"]) == ""
+        copy = tmp_path / "kernels"
+        shutil.copytree(source.kernel_dir(), copy)
+        header = copy / "gemm_4bit_splitk.h"
+        header.write_text(header.read_text() + "// another line\n")
+        monkeypatch.setenv(source.KERNEL_DIR_ENV, str(copy))
+        verify.reset()
+        assert first_use._unit_key(verify.FAMILIES["matmul_4bit_splitk_two"]) not in ("", before)
+        assert not verify.verdict("matmul_4bit_splitk_two", "emulated", _Tier((3, 2))).cached and len(runs) == 3
+    finally:
+        verify.reset()
