@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
+from torch.torch_version import TorchVersion, Version
 
 __all__ = [
     "Finding",
@@ -74,11 +75,9 @@ GPU_TIERS = ("native", "shader")
 
 
 def _torch_version() -> tuple:
-    """(major, minor) of the installed torch, e.g. (2, 8). Local suffixes are ignored."""
-    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    if match is None:  # pragma: no cover - torch always has a numeric version
-        return (0, 0)
-    return (int(match.group(1)), int(match.group(2)))
+    """(major, minor) of the installed torch, e.g. (2, 8) (torch's own version parsing; local
+    suffixes such as +cpu are ignored)."""
+    return tuple(Version(TorchVersion(torch.__version__)).release[:2])
 
 
 def _macos_version() -> Optional[tuple]:

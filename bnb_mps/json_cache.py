@@ -5,16 +5,16 @@
     data = json_cache.update(path, lambda d: {**d, k: v})  # read, change, replace: under a lock
 
 Readers take no lock: a writer never changes the file in place, it writes a temporary file next to
-it and renames that over it, so a reader sees the old content or the new, whole. Writers take an
-exclusive `fcntl.flock` on a sidecar file (`<path>.lock`) around the read-change-replace, so that
-two processes adding entries at once both keep theirs: without it, each would replace the file
-with its own read plus its own entry, and the one that renames last would drop the other's.
+it and renames that over it, so a reader sees the old content or the new, whole. Writers hold an
+exclusive lock on a sidecar file (`<path>.lock`, the `filelock` package: `flock` on POSIX) around
+the read-change-replace, so that two processes adding entries at once both keep theirs: without it,
+each would replace the file with its own read plus its own entry, and the one that renames last
+would drop the other's.
 
 The lock waits at most `timeout` seconds (a process stuck while holding it must not hang others;
 they get TimeoutError and may simply not write). Within one thread, an update of a path whose lock
 that thread already holds (a `change` that updates the same file) raises RuntimeError instead of
-waiting for itself. Where fcntl does not exist (Windows), updates are serialised within the process
-only.
+waiting for itself.
 """
 
 from __future__ import annotations
@@ -24,15 +24,11 @@ import json
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover (not POSIX)
-    fcntl = None
+import filelock
 
 PathLike = Union[str, os.PathLike]
 
@@ -40,17 +36,21 @@ PathLike = Union[str, os.PathLike]
 TIMEOUT = 10.0
 
 _held = threading.local()  # .paths: the files whose lock this thread holds
-_in_process = threading.Lock()  # (where there is no fcntl)
+
+
+def cache_root() -> Path:
+    """The folder of bnb-mps' caches: $BNB_MPS_CACHE_DIR, else ~/.cache/bnb_mps."""
+    root = os.environ.get("BNB_MPS_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "bnb_mps"
 
 
 def cache_file(name: str, env_var: str | None = None) -> Path:
     """Where a bnb-mps cache file lives: $`env_var` when set (the file itself), else
-    $BNB_MPS_CACHE_DIR/`name`, else ~/.cache/bnb_mps/`name`."""
+    `cache_root()`/`name`."""
     file = os.environ.get(env_var) if env_var else None
     if file:
         return Path(file).expanduser()
-    root = os.environ.get("BNB_MPS_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "bnb_mps") / name
+    return cache_root() / name
 
 
 def read(path: PathLike) -> dict[str, Any]:
@@ -87,36 +87,17 @@ def _locked(path: Path, timeout: float) -> Iterator[None]:
         raise RuntimeError(f"json_cache.update of {path} inside an update of the same file on this thread")
     held.add(key)
     try:
-        if fcntl is None:  # pragma: no cover
-            with _in_process:
-                yield
-            return
-        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = filelock.FileLock(f"{path}.lock")
         try:
-            _flock(fd, path, timeout)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            lock.acquire(timeout=timeout, poll_interval=0.01)
+        except filelock.Timeout:
+            raise TimeoutError(f"{path}: another process held its lock ({path}.lock) for {timeout:g} s") from None
+        try:
+            yield
         finally:
-            os.close(fd)
+            lock.release()
     finally:
         held.discard(key)
-
-
-def _flock(fd: int, path: Path, timeout: float) -> None:
-    """An exclusive flock on `fd`, waiting at most `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{path}: another process held its lock ({path}.lock) for {timeout:g} s") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
 
 def _replace(path: Path, data: dict[str, Any]) -> None:

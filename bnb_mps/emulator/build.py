@@ -46,9 +46,10 @@ def include_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("BNB_MPS_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "bnb_mps"
-    d = base / "emu"
+    """The module cache: `bnb_mps.json_cache.cache_root()`/emu, created."""
+    from ..json_cache import cache_root
+
+    d = cache_root() / "emu"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
