@@ -120,13 +120,15 @@ class KernelLibrary {
 //   times of the buffer, host encoding and waiting excluded. A batch of launches took
 //   max(end) - min(start) of the pairs of its watch (a pair with end <= start is no measurement).
 // `track()` instead adds the handler to the stream's current command buffer after the fact (on the
-// stream's queue, through addCompletedHandler): the buffer of what was encoded last only if no other
-// thread committed it meanwhile, so launches that can be given the watch should be.
+// stream's queue): the buffer of what was encoded last only if no other thread committed it
+// meanwhile, so launches that can be given the watch should be. Where the stream has no current
+// buffer (everything encoded was committed, e.g. by a synchronisation) it watches nothing and
+// returns false: it never makes an empty buffer to watch.
 // The launch path never reads a watch.
 class CommandBufferWatch {
  public:
   CommandBufferWatch();
-  void track();
+  bool track();
   std::vector<std::string> errors(double timeout_seconds);
   std::vector<std::pair<double, double>> gpu_times() const;
 

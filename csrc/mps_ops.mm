@@ -442,16 +442,50 @@ void KernelLibrary::encode(const std::string& kernel, const Dim3& grid, const Di
 
 CommandBufferWatch::CommandBufferWatch() : state_(std::make_shared<State>()) {}
 
-void CommandBufferWatch::track() {
+namespace {
+
+// torch's MPSStream keeps its current command buffer in the private member `_commandBuffer` (nil once
+// committed; aten/src/ATen/mps/MPSStream.h) and has no accessor that does not make one
+// (commandBuffer() creates it, and so does MPSStream::addCompletedHandler). An explicit template
+// instantiation may name a private member ([temp.spec.general]/6): this reads it, on the stream's queue.
+struct CurrentCommandBuffer {
+  using type = MPSCommandBuffer_t at::mps::MPSStream::*;
+  friend type member(CurrentCommandBuffer);
+};
+template <typename Tag, typename Tag::type Member>
+struct ReadPrivate {
+  friend typename Tag::type member(Tag) { return Member; }
+};
+template struct ReadPrivate<CurrentCommandBuffer, &at::mps::MPSStream::_commandBuffer>;
+
+}  // namespace
+
+bool CommandBufferWatch::track() {
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  MTLCommandBufferHandler handler = watch_handler(state_);
+  __block bool attached = false;
+  __block std::exception_ptr failure;
   state_->expect();
-  try {
-    // On the stream's serial queue: the handler goes to its current command buffer (PyTorch owns it
-    // and commits it; this only listens).
-    at::mps::getCurrentMPSStream()->addCompletedHandler(watch_handler(state_));
-  } catch (...) {
+  // On the stream's serial queue: the handler goes to its current command buffer, if it has one (PyTorch
+  // owns it and commits it; this only listens). None after a commit: nothing encoded since to watch.
+  dispatch_sync(stream->queue(), ^() {
+    try {
+      MPSCommandBuffer_t current = stream->*member(CurrentCommandBuffer{});
+      if (current != nil) {
+        [current addCompletedHandler:handler];
+        attached = true;
+      }
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  if (!attached) {
     state_->cancel();
-    throw;
   }
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
+  return attached;
 }
 
 std::vector<std::string> CommandBufferWatch::errors(double timeout_seconds) {
@@ -556,10 +590,10 @@ PYBIND11_MODULE(_native, m) {
           "track",
           [](bnb_mps::CommandBufferWatch& self) {
             py::gil_scoped_release no_gil;  // (waits for the stream's queue)
-            translate_errors([&] { self.track(); });
+            return translate_errors([&] { return self.track(); });
           },
-          "Watch the current command buffer of PyTorch's MPS stream (after the fact: see csrc/mps_ops.h; "
-          "a launch given the watch is watched without a race).")
+          "Watch the current command buffer of PyTorch's MPS stream, if it has one (after the fact: see "
+          "csrc/mps_ops.h; a launch given the watch is watched without a race). False: it had none.")
       .def("gpu_times", &bnb_mps::CommandBufferWatch::gpu_times,
            "After errors() has waited: the (GPUStartTime, GPUEndTime) pair, in seconds, of each watched "
            "launch's command buffer that has reported (see csrc/mps_ops.h).");

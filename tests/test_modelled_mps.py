@@ -238,6 +238,28 @@ def test_the_gpu_clock_serves_the_default_stream_and_refuses_others_by_stream_id
         assert clocks.gpu_clock_refusal() is None
 
 
+def test_a_register_heavy_kernels_pipeline_allows_fewer_threads_and_the_shader_tier_refuses_more():
+    """Metal's maxTotalThreadsPerThreadgroup depends on a kernel's register use: the model of
+    compile_shader gives 512 to the kernels of a unit that uses simdgroup matrices (the 4-bit product's
+    mma kernels), 1024 to others. The shader tier reads each pipeline's maximum and refuses a launch
+    above it (PipelineLimitError) before anything is encoded."""
+    from bnb_mps import executors
+    from bnb_mps.modelled_mps.library import REGISTER_HEAVY_MAX_THREADS
+
+    with use_modelled_mps("2.13") as mps:
+        ex = executors.load_tier("shader")
+        mma = next(k for k in ex._units.kernels() if k.startswith("bnb_gemm_4bit_mma_"))
+        plain = next(k for k in ex._units.kernels() if k.startswith("bnb_quantize_4bit"))
+        assert getattr(ex._units.library_of(mma), mma).max_threads_per_threadgroup == REGISTER_HEAVY_MAX_THREADS < 1024
+        assert getattr(ex._units.library_of(plain), plain).max_threads_per_threadgroup == 1024
+        kernels = mps.runtime.counts["kernels"]
+        with pytest.raises(executors.PipelineLimitError) as refused:
+            ex.prepare(mma, (1, 1, 1), (1024, 1, 1))
+        assert (refused.value.threads, refused.value.maximum) == (1024, REGISTER_HEAVY_MAX_THREADS)
+        assert mps.runtime.counts["kernels"] == kernels
+        ex.prepare(plain, (1, 1, 1), (1024, 1, 1))  # (allowed: no error)
+
+
 # -- every op family on the shader tier, bit for bit ---------------------------------------------------------
 
 OPS_WITH_KERNELS = sorted(name for name, op in ops.OPS.items() if op.kernel is not None)

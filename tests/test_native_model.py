@@ -9,6 +9,7 @@ model (a completed handler added to a committed buffer, dispatch_sync onto the q
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -43,6 +44,8 @@ def model(built):
     model.set_deferred(False)
     yield model
     model.set_deferred(False)
+    model.set_gpu_clock(None)
+    model.set_handler_delay(0.0)
     model.synchronize()
     assert model.misuses() == []
 
@@ -260,6 +263,25 @@ def test_launch_errors_are_python_errors(model, tier):
     assert native.language_version() == (3, 2) and tier.language_version == (3, 2)
 
 
+def test_a_register_heavy_kernels_pipeline_allows_fewer_threads_and_the_native_tier_refuses_more(model, tier):
+    """The Metal model's pipelines report maxTotalThreadsPerThreadgroup by the kernel's register use
+    (512 for a unit with simdgroup matrices, bnb_mps.modelled_mps.library.modelled_max_threads; 1024
+    otherwise); csrc/mps_ops.mm checks a launch against its pipeline's and raises PipelineLimitError
+    before encoding."""
+    from bnb_mps.executors import PipelineLimitError
+    from bnb_mps.modelled_mps.library import REGISTER_HEAVY_MAX_THREADS
+
+    mma = next(k for k in tier._units.kernels() if k.startswith("bnb_gemm_4bit_mma_"))
+    plain = next(k for k in tier._units.kernels() if k.startswith("bnb_quantize_4bit"))
+    assert tier.pipeline_info(mma)["max_total_threads_per_threadgroup"] == REGISTER_HEAVY_MAX_THREADS < 1024
+    assert tier.pipeline_info(plain)["max_total_threads_per_threadgroup"] == 1024
+    before = len(metal_model.MpsBindings.launched)
+    with pytest.raises(PipelineLimitError) as refused:
+        tier.launch(mma, grid=(1, 1, 1), threadgroup=(1024, 1, 1), args=[])
+    assert (refused.value.threads, refused.value.maximum) == (1024, REGISTER_HEAVY_MAX_THREADS)
+    assert len(metal_model.MpsBindings.launched) == before
+
+
 def test_without_a_metal_device_the_errors_leave_no_autorelease_pool_open(model):
     """Where Metal has no device, metal_device() throws: csrc/mps_ops.mm asks for it before each
     autorelease pool, since a C++ exception unwinding through @autoreleasepool skips the pool's pop
@@ -279,13 +301,130 @@ def test_without_a_metal_device_the_errors_leave_no_autorelease_pool_open(model)
     assert lib.pipeline_info("add_one")["thread_execution_width"] == 32
 
 
-def test_tuning_on_the_native_tier_times_batches_by_their_command_buffers_gpu_times(model, tier, monkeypatch,
-                                                                                      tmp_path):  # fmt: skip
-    """First-use tuning on the native tier: every launch of a timed batch is given a watch
-    (NativeExecutor.watching), and the batch is max(GPUEndTime) - min(GPUStartTime) of its command
-    buffers (clocks.CommandBufferClock); the decision is kept with the GPU clock, every candidate timed,
-    no misuse of Metal recorded (the model's fixture checks). bitsandbytes' route on CPU tensors does no
-    GPU work here, so it is excluded."""
+# -- the native tier's GPU clock on the modelled GPU clock --------------------------------------------------
+#
+# set_gpu_clock: the modelled GPU runs committed command buffers back to back, each taking BUFFER plus
+# KERNEL per dispatch that ran (nothing after a fault) plus the modelled work of torch's own ops in it.
+# The expected batch times below are sums of those costs.
+
+KERNEL, BUFFER, TORCH_OP = 1e-4, 1e-5, 3e-4
+
+
+def add_one_tier(model):
+    """A NativeExecutor (csrc/mps_ops.mm on the model) whose library is ADD_ONE and the fault kernel."""
+    import command_buffer_fault as cbf
+    from bnb_mps.executors import native as native_tier
+    from bnb_mps.executors.base import CompileUnits
+
+    native = built_native(model)
+    libs = {"add": metal_model.MpsBindings(native.compile_library(ADD_ONE), model),
+            "fault": metal_model.MpsBindings(native.compile_library(cbf.FAULT_KERNEL.read_text()), model)}
+    units = CompileUnits(libs, {"add_one": "add", cbf.FAULT_NAME: "fault"}, {})
+    ex = native_tier.NativeExecutor(units, native.CommandBufferWatch)
+    ex.device_type = "cpu"
+    ex.synchronize = model.synchronize
+    return ex
+
+
+def add_one(ex, x):
+    ex.prepare("add_one", (1, 1, 1), (32, 1, 1))([x, uint32(x.numel()).to_bytes()])
+
+
+def test_the_native_clock_is_the_gpu_span_of_the_batch_not_a_sum_of_what_its_launches_report(model):
+    """Calls of two launches each, with nothing committing between them: the batch is one command buffer,
+    BUFFER + 2n * KERNEL of modelled GPU time, which every one of its 2n watched launches reports."""
+    from bnb_mps.executors import clocks
+
+    model.set_gpu_clock(lambda kernel: KERNEL, BUFFER)
+    ex, x = add_one_tier(model), torch.zeros(32)
+    for n in (1, 4):
+        seconds = clocks.CommandBufferClock(ex).batch(lambda: (add_one(ex, x), add_one(ex, x)), n)
+        assert seconds == pytest.approx(BUFFER + 2 * n * KERNEL, rel=1e-9)
+    assert torch.equal(x, torch.full((32,), 10.0))
+
+
+def test_the_native_clock_measures_torch_s_own_work_of_a_call(model):
+    """A call whose route ends with torch's own op (e.g. dequantize+linear's linear, an MPSGraph op that
+    commits what was encoded and goes on in a new command buffer): the op's work of the last call is in
+    a buffer no launch of the batch is in, which the clock watches after each call (track()). n calls:
+    n + 1 buffers, n kernels, n torch ops."""
+    from bnb_mps.executors import clocks
+
+    model.set_gpu_clock(lambda kernel: KERNEL, BUFFER)
+    ex, x = add_one_tier(model), torch.zeros(32)
+    n = 3
+    seconds = clocks.CommandBufferClock(ex).batch(lambda: (add_one(ex, x), model.torch_op(TORCH_OP)), n)
+    assert seconds == pytest.approx((n + 1) * BUFFER + n * (KERNEL + TORCH_OP), rel=1e-9)
+
+
+def test_the_native_clock_watches_no_empty_buffer_after_a_call_that_synchronised(model):
+    """A route that synchronises (commits and waits) at its end leaves the stream no command buffer:
+    track() watches nothing then, and makes none (an empty buffer, committed by the clock's own
+    synchronisation, would add its time to the batch's). n calls: n buffers of one kernel each."""
+    from bnb_mps.executors import clocks
+
+    model.set_gpu_clock(lambda kernel: KERNEL, BUFFER)
+    ex, x = add_one_tier(model), torch.zeros(32)
+    watch = built_native(model).CommandBufferWatch()
+    add_one(ex, x)
+    model.synchronize()
+    assert watch.track() is False  # (the stream has no command buffer)
+    add_one(ex, x)
+    assert watch.track() is True
+    model.synchronize()
+    assert watch.errors(5.0) == [] and len(watch.gpu_times()) == 1
+    n = 3
+    seconds = clocks.CommandBufferClock(ex).batch(lambda: (add_one(ex, x), model.synchronize()), n)
+    assert seconds == pytest.approx(n * (BUFFER + KERNEL), rel=1e-9)
+
+
+def test_the_native_clock_fails_where_a_command_buffer_of_the_batch_failed(model):
+    """A route whose command buffer the GPU aborts (a page fault here; a watchdog timeout alike) runs
+    nothing after its fault, so it would look fastest: the clock refuses the batch (ClockFailed), and
+    the next batch is timed again."""
+    import command_buffer_fault as cbf
+    from bnb_mps.executors import clocks
+    from bnb_mps.kernel_args import uint64
+
+    model.set_gpu_clock(lambda kernel: KERNEL, BUFFER)
+    ex, x = add_one_tier(model), torch.zeros(32)
+    target = torch.zeros(32, dtype=torch.int32)
+    fault = ex.prepare(cbf.FAULT_NAME, (1, 1, 1), (32, 1, 1))
+
+    def aborting():
+        fault([target, uint64(cbf.FAR_ELEMENTS).to_bytes()])
+        add_one(ex, x)
+
+    with pytest.raises(clocks.ClockFailed, match="did not complete"):
+        clocks.CommandBufferClock(ex).batch(aborting, 2)
+    assert clocks.CommandBufferClock(ex).batch(lambda: add_one(ex, x), 2) == pytest.approx(BUFFER + 2 * KERNEL)
+
+
+def test_a_watch_waits_for_handlers_that_run_after_the_waiters_woke(model):
+    """Metal orders nothing between waitUntilCompleted returning and the completed handlers: the model
+    wakes the waiters first and calls the handlers 0.3 s later. errors() waits for the handlers, so the
+    GPU times are all there after it, whichever came first."""
+    model.set_handler_delay(0.3)
+    native = built_native(model)
+    add = native.compile_library(ADD_ONE)
+    watch = native.CommandBufferWatch()
+    x = torch.zeros(32)
+    for _ in range(2):
+        add.launch("add_one", (1, 1, 1), (32, 1, 1), [model.as_mps(x), uint32(32).to_bytes()], watch)
+        model.synchronize()
+    assert watch.errors(10.0) == [] and len(watch.gpu_times()) == 2
+
+
+def test_tuning_on_the_native_tier_times_batches_of_several_calls_by_their_command_buffers_gpu_times(
+        model, tier, monkeypatch, tmp_path):  # fmt: skip
+    """First-use tuning on the native tier on the modelled GPU clock (KERNEL per dispatch, a call of a
+    kernel route well below timing's 1 ms minimum, so batches hold several calls): every launch of a
+    timed batch is given a watch (NativeExecutor.watching) and torch's own work after it is tracked; a
+    batch is max(GPUEndTime) - min(GPUStartTime). Each kernel route's call is one dispatch: KERNEL plus
+    at most one BUFFER per call; dequantize+linear's is its dequantize kernel plus its linear (torch's
+    op, modelled as TORCH_OP of GPU work in a command buffer of its own). The decision is kept with the
+    GPU clock; no misuse of Metal recorded (the model's fixture checks). bitsandbytes' route on CPU
+    tensors does no GPU work here, so it is excluded."""
     import bnb_mps
     from bnb_mps.executors import clocks
     from bnb_mps.ops import tuning
@@ -294,11 +433,14 @@ def test_tuning_on_the_native_tier_times_batches_by_their_command_buffers_gpu_ti
     monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "bitsandbytes")
     for name in ("current_stream", "default_stream"):  # (torch >= 2.15's streams: a CPU build cannot make one)
         if hasattr(torch.mps, name):
-            monkeypatch.setattr(torch.mps, name, lambda: 0)
+            monkeypatch.setattr(torch.mps, name, lambda: types.SimpleNamespace(stream_id=0))
     monkeypatch.setenv(tuning.CACHE_ENV_VAR, str(tmp_path / "tune.json"))
     batches = []
     real = clocks.CommandBufferClock.batch
     monkeypatch.setattr(clocks.CommandBufferClock, "batch", lambda self, call, n: batches.append(n) or real(self, call, n))
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: (linear(*a, **k), model.torch_op(TORCH_OP))[0])
+    model.set_gpu_clock(lambda kernel: KERNEL, BUFFER)
     g = torch.Generator().manual_seed(5)
     W = torch.randn(256, 128, generator=g)
     X = torch.randn(5, 128, generator=g).to(torch.float16)
@@ -313,5 +455,10 @@ def test_tuning_on_the_native_tier_times_batches_by_their_command_buffers_gpu_ti
     finally:
         tuning.reset()
     assert len(rows) == 1 and rows[0]["tier"] == "native" and rows[0]["clock"] == "gpu", rows
-    assert not rows[0]["errors"] and len(rows[0]["times"]) >= 3 and all(t > 0 for t in rows[0]["times"].values()), rows
-    assert batches and json.loads((tmp_path / "tune.json").read_text())
+    times = rows[0]["times"]
+    assert not rows[0]["errors"] and len(times) >= 3 and "dequantize+linear" in times, rows
+    assert max(batches) > 1, batches  # (batches of several calls)
+    for route, t in times.items():
+        work = KERNEL + (TORCH_OP if route == "dequantize+linear" else 0.0)
+        assert work < t <= work + 2 * BUFFER + 1e-12, (route, t, times)
+    assert json.loads((tmp_path / "tune.json").read_text())

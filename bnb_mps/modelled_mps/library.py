@@ -5,7 +5,9 @@ As read in torch/csrc/mps/Module.cpp and aten/src/ATen/native/mps/MetalShaderLib
   whose `dir()` lists its kernel functions; an attribute that is no kernel raises RuntimeError
   ("Failed to create function state object for: ...");
 - a kernel function reports its pipeline's `max_threads_per_threadgroup` and
-  `thread_execution_width`;
+  `thread_execution_width`; Metal's maxTotalThreadsPerThreadgroup depends on the kernel's register
+  use and can be below 1024: the model gives `REGISTER_HEAVY_MAX_THREADS` to the kernels of a compile
+  unit that uses simdgroup matrices (`modelled_max_threads`), 1024 to the others;
 - calling it `fn(*args, threads=, group_size=, arg_casts=)` binds argument i to [[buffer(i)]]: a
   tensor as its storage's buffer at byte offset storage_offset * element_size (no device check), a
   Python int as 8 bytes (int64) and a float as 4 (float32) unless `arg_casts` names a narrower type
@@ -28,10 +30,22 @@ import torch
 
 from . import runtime as _runtime
 
+import re
+
 _INT_CAST_WIDTH = {None: 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1}
 _FLOAT_CAST_FORMAT = {None: "<f", "fp16": "<e"}
 MAX_THREADS_PER_THREADGROUP = 1024  # what a modelled pipeline allows (Metal's general limit)
+REGISTER_HEAVY_MAX_THREADS = 512  # ... and one of a register-heavy kernel (simdgroup matrices)
 THREAD_EXECUTION_WIDTH = 32
+_SIMDGROUP_MATRIX = re.compile(r"\bsimdgroup_(?:matrix\b|(?:float|half|bfloat)8x8\b)")
+
+
+def modelled_max_threads(source: str) -> int:
+    """maxTotalThreadsPerThreadgroup of the pipelines of kernels compiled from `source` (one compile unit),
+    in the models of torch's compile_shader and of Metal (tests/metal_model): Metal lowers it below 1024
+    for kernels that need many registers per thread; the models take a unit that uses simdgroup matrices
+    (8x8 tiles held in registers) as such, per unit, not per kernel."""
+    return REGISTER_HEAVY_MAX_THREADS if _SIMDGROUP_MATRIX.search(source) else MAX_THREADS_PER_THREADGROUP
 
 
 def bind(args, arg_casts) -> list:
@@ -58,7 +72,7 @@ def bind(args, arg_casts) -> list:
 class ModelledKernel:
     def __init__(self, library: "ModelledLibrary", name: str) -> None:
         self._library, self.name = library, name
-        self.max_threads_per_threadgroup = MAX_THREADS_PER_THREADGROUP
+        self.max_threads_per_threadgroup = library._max_threads
         self.thread_execution_width = THREAD_EXECUTION_WIDTH
 
     def __call__(self, *args, threads=None, group_size=None, arg_casts=None) -> None:
@@ -81,6 +95,7 @@ class ModelledLibrary:
             raise SyntaxError(str(e)) from None
         self._runtime = runtime
         self._names = list(self._emulated.kernels)
+        self._max_threads = modelled_max_threads(source)
 
     def __dir__(self):
         return list(self._names)

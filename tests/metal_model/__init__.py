@@ -182,7 +182,7 @@ def load() -> tuple[types.ModuleType, types.ModuleType]:
             out = build()
             model = _import(out / "_metal_model.so", "_metal_model")
             native = _import(out / "_native.so", "_native")
-            model.set_runtime(EmulatorRuntime().compile, EmulatorRuntime.instance_run)
+            model.set_runtime(EmulatorRuntime().compile, EmulatorRuntime.instance_run, EmulatorRuntime.max_threads)
             _loaded = (native, model)
         return _loaded
 
@@ -192,6 +192,7 @@ class EmulatorRuntime:
     same as the emulated tier, in its default float mode (Apple's: float32 subnormals flushed)."""
 
     libraries: list = []
+    limits: dict = {}  # kernel -> its pipelines' maxTotalThreadsPerThreadgroup (bnb_mps.modelled_mps.library)
 
     def compile(self, source: bytes):
         from bnb_mps import emulator
@@ -204,7 +205,14 @@ class EmulatorRuntime:
         library = emulator.Library(text, name=f"{unit}.metal")
         names = library.kernels  # (compiles it: a compile error is the compiler's message)
         EmulatorRuntime.libraries.append(library)
+        from bnb_mps.modelled_mps.library import modelled_max_threads
+
+        EmulatorRuntime.limits.update(dict.fromkeys(names, modelled_max_threads(text)))
         return len(EmulatorRuntime.libraries) - 1, list(names)
+
+    @staticmethod
+    def max_threads(kernel: str) -> int:
+        return EmulatorRuntime.limits.get(kernel, 1024)
 
     @staticmethod
     def instance_run(handle: int, kernel: str, grid, threadgroup, bindings) -> Optional[str]:

@@ -3,8 +3,12 @@
 // functions and compute pipelines; command buffers with one compute encoder at a time, which record
 // setComputePipelineState/setBuffer/setBytes/dispatchThreadgroups; commit, which hands the buffer to
 // the modelled GPU (one thread taking committed buffers in commit order, after the host has gone
-// on); then status, error, GPUStartTime/GPUEndTime and the completed handlers, called once the
-// buffer has run. Kernels run under the emulator through bnb::runtime(): by default each dispatch
+// on); then status, error, GPUStartTime/GPUEndTime, the waiters woken and then the completed handlers
+// (Metal documents no order between waitUntilCompleted returning and the handlers: the model wakes the
+// waiters first, so code that reads what a handler records must wait for the handler itself).
+// addCompletedHandler: only before commit (Apple: "Call this method before you commit the command
+// buffer") and, for a buffer of torch's stream, on the stream's serial queue (torch's stream state is
+// touched only there; off it, a commit on the queue can come first). Kernels run under the emulator through bnb::runtime(): by default each dispatch
 // as it is encoded (bnb::Runtime::deferred says why), the buffer reporting it after its commit.
 // Manual reference counting.
 #include "model.h"
@@ -300,6 +304,7 @@ class Gpu {
 - (void)modelRecord:(const Dispatch&)dispatch;
 + (std::string)modelExecute:(const Dispatch&)dispatch;
 - (void)modelEncoderEnded;
++ (double)modelSeconds:(const Dispatch&)dispatch;
 @end
 
 @interface BNBModelComputeEncoder : NSObject <MTLComputeCommandEncoder>
@@ -403,6 +408,8 @@ class Gpu {
   BNBModelComputeEncoder* _encoder;  // the open one, if any
   double _eager_start, _eager_end;     // dispatches run as encoded: when they ran,
   std::string* _eager_fault;           // and the first fault
+  double _work;                        // modelled GPU seconds of what ran (bnb::Runtime::modelled_clock)
+  dispatch_queue_t _queue;             // the serial queue of the stream that owns it (nullptr: none)
 }
 + (MPSCommandBuffer*)commandBufferFromCommandQueue:(id<MTLCommandQueue>)commandQueue {
   return [[[self alloc] init] autorelease];
@@ -429,6 +436,20 @@ class Gpu {
   _encoder = [[BNBModelComputeEncoder alloc] initWithBuffer:self];
   return [[_encoder retain] autorelease];
 }
+- (void)modelSetQueue:(dispatch_queue_t)queue {
+  std::lock_guard<std::mutex> lock(*_mutex);
+  _queue = queue;
+}
+- (void)modelAddWork:(double)seconds {
+  std::lock_guard<std::mutex> lock(*_mutex);
+  if (_status != MTLCommandBufferStatusNotEnqueued) {
+    bnb::model_misuse("work encoded into a committed command buffer");
+    return;
+  }
+  if (_eager_fault->empty()) {
+    _work += seconds;  // (a buffer runs nothing after its first fault)
+  }
+}
 - (void)modelRecord:(const Dispatch&)dispatch {
   if (bnb::runtime().deferred) {
     std::lock_guard<std::mutex> lock(*_mutex);
@@ -450,6 +471,10 @@ class Gpu {
   _eager_start = _eager_start == 0 ? start : _eager_start;
   _eager_end = end;
   *_eager_fault = fault;
+  _work += [MPSCommandBuffer modelSeconds:dispatch];
+}
++ (double)modelSeconds:(const Dispatch&)d {
+  return bnb::runtime().kernel_seconds ? bnb::runtime().kernel_seconds(d.kernel) : 0.0;
 }
 + (std::string)modelExecute:(const Dispatch&)d {
   return bnb::runtime().run ? bnb::runtime().run(d.library, d.kernel, d.grid, d.threadgroup, d.bindings)
@@ -465,6 +490,11 @@ class Gpu {
   if (_status != MTLCommandBufferStatusNotEnqueued) {
     // Apple: "Call this method before you commit the command buffer."
     bnb::model_misuse("addCompletedHandler: on a command buffer already committed (its handler would never run)");
+    return;
+  }
+  if (_queue != nullptr && !bnb::on_queue(_queue)) {
+    bnb::model_misuse("addCompletedHandler: off the serial queue of the stream that owns the command buffer "
+                      "(a commit on the queue may come first, and the handler is then never called)");
     return;
   }
   _handlers->push_back((MTLCommandBufferHandler)_Block_copy((const void*)block));
@@ -501,8 +531,10 @@ class Gpu {
   }
   double start = bnb::host_time();
   std::string fault;
+  double work = 0.0;
   for (const Dispatch& d : dispatches) {
     fault = [MPSCommandBuffer modelExecute:d];
+    work += [MPSCommandBuffer modelSeconds:d];
     if (!fault.empty()) {
       break;  // (the rest of the buffer does not run)
     }
@@ -515,12 +547,20 @@ class Gpu {
       end = _eager_end;
       fault = *_eager_fault;
     }
+    work += _work;
+  }
+  const bool modelled = bnb::runtime().modelled_clock;
+  if (modelled) {  // (the GPU thread runs one buffer at a time: the clock is its own)
+    static double gpu_now = 1000.0;
+    start = gpu_now;
+    end = start + bnb::runtime().buffer_seconds + work;
+    gpu_now = end;
   }
   std::vector<MTLCommandBufferHandler> handlers;
   {
     std::lock_guard<std::mutex> lock(*_mutex);
     _start = start;
-    _end = end > start ? end : start + 1e-9;
+    _end = end > start || modelled ? end : start + 1e-9;
     if (!fault.empty()) {
       _error = [bnb_model_error("Execution of the command buffer was aborted due to an error during execution. " +
                                     fault,
@@ -528,19 +568,19 @@ class Gpu {
     }
     handlers.swap(*_handlers);
   }
+  {
+    std::lock_guard<std::mutex> lock(*_mutex);
+    _status = fault.empty() ? MTLCommandBufferStatusCompleted : MTLCommandBufferStatusError;
+    _done->notify_all();  // (waiters first: see the top of this file)
+  }
+  if (bnb::runtime().handler_delay > 0 && !handlers.empty()) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(bnb::runtime().handler_delay));
+  }
   @autoreleasepool {
-    {
-      std::lock_guard<std::mutex> lock(*_mutex);
-      _status = fault.empty() ? MTLCommandBufferStatusCompleted : MTLCommandBufferStatusError;
-    }
     for (MTLCommandBufferHandler handler : handlers) {  // (Metal calls them once the buffer has run)
       handler(self);
       _Block_release((const void*)handler);
     }
-  }
-  {
-    std::lock_guard<std::mutex> lock(*_mutex);
-    _done->notify_all();
   }
 }
 - (MTLCommandBufferStatus)status {

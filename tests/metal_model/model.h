@@ -4,6 +4,7 @@
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 #import <MetalPerformanceShaders/MetalPerformanceShaders.h>
+#include <dispatch/dispatch.h>
 
 #include <array>
 #include <cstdint>
@@ -24,6 +25,10 @@ NSError* bnb_model_error(const std::string& description, long code);
 // -waitUntilCompleted), and the model's own buffer.
 @interface MPSCommandBuffer ()
 + (MPSCommandBuffer*)commandBufferFromCommandQueue:(id<MTLCommandQueue>)commandQueue;
+// (the model's) the serial queue of the stream whose buffer this is: its state is touched only there
+- (void)modelSetQueue:(dispatch_queue_t)queue;
+// (the model's) modelled GPU work of torch's own ops (an MPSGraph op) encoded into this buffer
+- (void)modelAddWork:(double)seconds;
 - (id<MTLComputeCommandEncoder>)computeCommandEncoder;
 - (void)waitUntilCompleted;
 @end
@@ -82,10 +87,23 @@ struct Runtime {
   // true: dispatches run when the modelled GPU takes the committed buffer (nothing is computed
   // before a commit: a test that the host never reads a result before synchronizing).
   bool deferred = false;
+  // The modelled GPU clock (deterministic): when `modelled_clock`, the GPU runs committed buffers back to
+  // back from a clock of its own, each taking `buffer_seconds` plus `kernel_seconds(kernel)` per
+  // dispatch that ran (a buffer stops at its first fault) plus the modelled work of torch's own ops
+  // in it; GPUStartTime/GPUEndTime are that clock's. Otherwise they are host times of the run.
+  bool modelled_clock = false;
+  double buffer_seconds = 0.0;
+  std::function<double(const std::string& kernel)> kernel_seconds;
+  // seconds the modelled GPU waits, after waking the buffer's waiters, before calling its completed
+  // handlers (Metal promises no order between the two)
+  double handler_delay = 0.0;
 };
 Runtime& runtime();
 
 // Host time in seconds (CFTimeInterval), the clock of GPUStartTime/GPUEndTime.
 double host_time();
+
+// True when the calling thread runs a block on `queue` now (GCD's dispatch_sync, modelled in stream.mm).
+bool on_queue(dispatch_queue_t queue);
 
 }  // namespace bnb

@@ -21,6 +21,8 @@ namespace {
 py::object* compile_callable = nullptr;
 py::object* run_callable = nullptr;
 py::dict* pipeline_limits = nullptr;
+py::object* default_limit_callable = nullptr;
+py::object* kernel_seconds_callable = nullptr;
 
 // An mps tensor over `cpu`'s memory: its storage's data pointer is a model MTLBuffer of the CPU
 // storage's bytes, and it has `cpu`'s sizes, strides and storage offset. Keeps `cpu`'s storage alive.
@@ -48,6 +50,19 @@ void synchronize() {
   });
 }
 
+// torch's own op on the stream, with `seconds` of modelled GPU work: an MPSGraph op
+// (MPSStream::executeMPSGraph: endKernelCoalescing, encode into commandBuffer(), with commit-and-continue
+// on: MPSGraph may commit the underlying command buffer and go on in a new one). The model takes the
+// commit first: what was encoded before is committed, the op's work goes into a new buffer.
+void torch_op(double seconds) {
+  at::mps::MPSStream* stream = at::mps::getDefaultMPSStream();
+  py::gil_scoped_release no_gil;
+  dispatch_sync(stream->queue(), ^() {
+    stream->synchronize(at::mps::SyncType::COMMIT);
+    [stream->commandBuffer() modelAddWork:seconds];
+  });
+}
+
 void commit() {
   at::mps::MPSStream* stream = at::mps::getDefaultMPSStream();
   py::gil_scoped_release no_gil;
@@ -62,7 +77,7 @@ PYBIND11_MODULE(_metal_model, m) {
   m.doc() = "The Metal model that runs csrc/mps_ops.mm on Linux (tests/metal_model/README.md).";
   m.def(
       "set_runtime",
-      [](py::object compile, py::object run) {
+      [](py::object compile, py::object run, py::object max_threads) {
         compile_callable = new py::object(std::move(compile));  // (kept for the process)
         run_callable = new py::object(std::move(run));
         pipeline_limits = new py::dict();
@@ -101,12 +116,46 @@ PYBIND11_MODULE(_metal_model, m) {
         rt.max_threads = [](const std::string& kernel) -> uint64_t {
           py::gil_scoped_acquire gil;
           py::str key(kernel);
-          return pipeline_limits->contains(key) ? (*pipeline_limits)[key].cast<uint64_t>() : 1024;
+          if (pipeline_limits->contains(key)) {
+            return (*pipeline_limits)[key].cast<uint64_t>();
+          }
+          return default_limit_callable != nullptr ? (*default_limit_callable)(key).cast<uint64_t>() : 1024;
         };
+        if (!max_threads.is_none()) {
+          default_limit_callable = new py::object(std::move(max_threads));
+        }
       },
-      py::arg("compile"), py::arg("run"),
+      py::arg("compile"), py::arg("run"), py::arg("max_threads") = py::none(),
       "compile(source: bytes) -> (handle, [kernel names]) or raises with the compiler's message; "
-      "run(handle, kernel, grid, threadgroup, [(address, length) or bytes]) -> None or the fault's text.");
+      "run(handle, kernel, grid, threadgroup, [(address, length) or bytes]) -> None or the fault's text; "
+      "max_threads(kernel) -> maxTotalThreadsPerThreadgroup of its pipelines (unless set_pipeline_limit).");
+  m.def(
+      "set_gpu_clock",
+      [](py::object kernel_seconds, double buffer_seconds) {
+        bnb::Runtime& rt = bnb::runtime();
+        if (kernel_seconds.is_none()) {
+          rt.modelled_clock = false;
+          rt.kernel_seconds = nullptr;
+          return;
+        }
+        delete kernel_seconds_callable;
+        kernel_seconds_callable = new py::object(std::move(kernel_seconds));
+        rt.buffer_seconds = buffer_seconds;
+        rt.kernel_seconds = [](const std::string& kernel) -> double {
+          py::gil_scoped_acquire gil;
+          return (*kernel_seconds_callable)(kernel).cast<double>();
+        };
+        rt.modelled_clock = true;
+      },
+      py::arg("kernel_seconds"), py::arg("buffer_seconds") = 0.0,
+      "The modelled GPU clock (tests/metal_model/model.h): kernel_seconds(kernel) -> seconds per dispatch, "
+      "buffer_seconds per command buffer; None: GPU times are host times of the run.");
+  m.def(
+      "set_handler_delay", [](double seconds) { bnb::runtime().handler_delay = seconds; },
+      "Seconds between waking a buffer's waiters and calling its completed handlers.");
+  m.def("torch_op", &torch_op, py::arg("seconds"),
+        "torch's own op (an MPSGraph op) on the stream: commit what is encoded, then `seconds` of modelled GPU "
+        "work in a new command buffer.");
   m.def(
       "set_pipeline_limit",
       [](const std::string& kernel, uint64_t threads) { (*pipeline_limits)[py::str(kernel)] = threads; },

@@ -23,6 +23,8 @@ struct dispatch_queue_s {
   std::thread::id owner;  // the thread running a block on the queue now
 };
 
+bool bnb::on_queue(dispatch_queue_t queue) { return queue->owner == std::this_thread::get_id(); }
+
 extern "C" void dispatch_sync(dispatch_queue_t queue, dispatch_block_t block) {
   if (queue->owner == std::this_thread::get_id()) {
     bnb::model_misuse("dispatch_sync onto the serial queue the caller is running on (a deadlock in GCD)");
@@ -75,6 +77,7 @@ MPSStream::~MPSStream() {
 MPSCommandBuffer* MPSStream::commandBuffer() {
   if (!_commandBuffer) {
     _commandBuffer = [[MPSCommandBuffer commandBufferFromCommandQueue:_commandQueue] retain];
+    [_commandBuffer modelSetQueue:_serialQueue];
   }
   return _commandBuffer;
 }
