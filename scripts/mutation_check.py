@@ -59,6 +59,9 @@ LINT = "tests/test_msl_lint.py"
 DEMO_CHECK = "tests/test_demo_check.py"
 MODELLED = "tests/test_modelled_mps.py"
 SPLITK = "tests/test_splitk.py"
+NATIVE_MODEL = "tests/test_native_model.py"
+NATIVE_EXEC = "tests/test_executor_native.py"
+VERIFY = "tests/test_verify.py"
 
 FAULTS = [
     # -- tuning: the decision, the switches, the cache (bnb_mps/ops/tuning.py) -----------------------------
@@ -155,6 +158,63 @@ FAULTS = [
     Fault("MM3", "bnb_mps/modelled_mps/runtime.py",
           "            if self.behaviour.public_streams and self.current_stream is not self.default_stream:\n",
           "            if False:\n", (MODELLED, "-k", "another_stream"), "Event.record() off the default stream raises"),
+    # -- the Mac host path: clocks, watches, the models of torch's MPS runtime and of Metal (issue 41) ----------
+    Fault("H1", "bnb_mps/executors/clocks.py", "        if errors:\n            raise ClockFailed(f\"a timed command buffer",
+          "        if False:\n            raise ClockFailed(f\"a timed command buffer",
+          (NATIVE_MODEL, "-k", "batch_failed"), "host: a command buffer that failed is no timing (native clock)"),
+    Fault("H2", "bnb_mps/executors/clocks.py",
+          "return _checked(max(e for _, e in spans) - min(s for s, _ in spans),",
+          "return _checked(sum(e - s for s, e in spans),", (NATIVE_MODEL, "-k", "not_a_sum or several_calls"),
+          "host: the native clock's batch is max(end) - min(start) of its command buffers"),
+    Fault("H3", "bnb_mps/executors/clocks.py", "return _checked(ms / 1e3,", "return _checked(ms,",
+          (MODELLED, "-k", "modelled_gpu_time"), "host: elapsed_time's milliseconds are seconds / 1000"),
+    Fault("H4", "bnb_mps/executors/native.py",
+          "        timing = self._timing\n\n        def launch_prepared(args) -> None:\n"
+          "            watch = getattr(timing, \"watch\", None)",
+          "        watch = getattr(self._timing, \"watch\", None)\n\n        def launch_prepared(args) -> None:\n",
+          (NATIVE_EXEC, "-k", "watch_of_the_moment"), "host: a kept plan reads the timing watch per call"),
+    Fault("H5", "bnb_mps/modelled_mps/runtime.py", '"2.15": TorchBehaviour("2.15.0", False, True, True)',
+          '"2.15": TorchBehaviour("2.15.0", False, True, False)', (MODELLED, "-k", "memory_fault"),
+          "host: torch 2.15's synchronize() raises an earlier command buffer's error (model)"),
+    Fault("H6", "bnb_mps/modelled_mps/library.py",
+          "                return f\"Execution of the command buffer was aborted",
+          "                return None and f\"Execution of the command buffer was aborted", (MODELLED, "-k", "memory_fault"),
+          "host: a kernel's memory fault fails its command buffer (model of compile_shader)"),
+    Fault("H7", "csrc/mps_ops.mm",
+          "      if (handler != nil) {\n        [stream->commandBuffer() addCompletedHandler:handler];  // (the buffer of the "
+          "encoder above)\n        attached = true;\n      }\n    } catch (...) {\n      failure = std::current_exception();\n"
+          "    }\n  });\n",
+          "    } catch (...) {\n      failure = std::current_exception();\n    }\n  });\n  if (handler != nil && !failure) {\n"
+          "    [stream->commandBuffer() addCompletedHandler:handler];\n    attached = true;\n  }\n",
+          (NATIVE_MODEL, "-k", "watch_sees"),
+          "host: a watched launch attaches its handler inside its dispatch block (Metal model: on the queue)"),
+    Fault("H8", "bnb_mps/ops/verify/runner.py",
+          "    try:  # (what ran before is not the family's: torch >= 2.15 raises an earlier command buffer's error "
+          "here, once)\n        synchronize(executor)\n", "    try:\n        pass\n",
+          (MODELLED, "-k", "earlier_command_buffer"),
+          "host: verification takes an earlier buffer's error before its launches (torch 2.15)"),
+    Fault("H9", "bnb_mps/executors/clocks.py", "            watch.track()  #", "            pass  #",
+          (NATIVE_MODEL, "-k", "torch_s_own_work or several_calls"),
+          "host: the native clock watches the stream's own buffer after each call (torch's work)"),
+    Fault("H10", "bnb_mps/executors/clocks.py", "            if not (start.query() and end.query()):",
+          "            if False:", (MODELLED, "-k", "faults_and_never"),
+          "host: the event clock never waits for an event of a failed command buffer (torch <= 2.14)"),
+    Fault("H11", "bnb_mps/executors/clocks.py", "if current().stream_id != default().stream_id:",
+          "if current() != default():", (MODELLED, "-k", "by_stream_id"),
+          "host: torch 2.15's streams compared by id"),
+    Fault("H12", "bnb_mps/executors/native.py", "self._timing = threading.local()",
+          "self._timing = type(\"Shared\", (), {})()", (NATIVE_EXEC, "-k", "per_thread"),
+          "host: the timing watch is per thread"),
+    Fault("H13", "csrc/mps_ops.mm", "      MPSCommandBuffer_t current = stream->*member(CurrentCommandBuffer{});\n",
+          "      MPSCommandBuffer_t current = stream->commandBuffer();\n", (NATIVE_MODEL, "-k", "no_empty_buffer"),
+          "host: track() makes no empty command buffer to watch"),
+    Fault("H14", "bnb_mps/ops/verify/compare.py", "bad = torch.where(nan, ~torch.isnan(g),",
+          "bad = torch.where(nan, torch.zeros_like(nan),", (VERIFY, "-k", "close_matches"),
+          "host: a NaN reference is matched by NaN only (verify.compare.close)"),
+    Fault("H15", "bnb_mps/executors/shader.py",
+          "limit = getattr(fn, \"max_threads_per_threadgroup\", MAX_THREADS_PER_THREADGROUP)",
+          "limit = MAX_THREADS_PER_THREADGROUP", (MODELLED, "-k", "register_heavy"),
+          "host: the shader tier checks each pipeline's maxTotalThreadsPerThreadgroup"),
     # -- candidates (bnb_mps/ops/candidates.py) ----------------------------------------------------------------
     Fault("C1", "bnb_mps/ops/candidates.py", "return name != \"gemm_4bit\" or args[2][1] % args[4] == 0",
           "return True", (TUNING, "-k", "tune_command_measures"),
@@ -345,6 +405,38 @@ FAULTS = [
           "const uint back = row < N ? 0u : (row - (N - 1u) + P - 1u) / P * P;",
           "const uint back = row < N ? 0u : row - (N - 1u);", (SPLITK,),
           "a tile's rows past N read a row of their own phase, over lines the tile reads anyway"),
+    # -- the split-K hand-over under Apple's memory model (issue 41; docs/emulator.md, "Memory model") ----------
+    Fault("SK18", "csrc/kernels/gemm_4bit_splitk.h",
+          "    atomic_thread_fence(mem_flags::mem_device, memory_order_release, thread_scope_device);\n"
+          "    threadgroup_barrier(mem_flags::mem_device);\n",
+          "    threadgroup_barrier(mem_flags::mem_device);\n",
+          (SPLITK, "-k", "memory_model or fence or one_dispatch or whichever"),
+          "every thread that wrote a partial sum releases it at device scope before the count (Metal 3.2)"),
+    Fault("SK19", "csrc/kernels/gemm_4bit_splitk.h", "    coherent(device) device float* work [[buffer(18)]],\n",
+          "    device float* work [[buffer(18)]],\n", (SPLITK, "-k", "memory_model or whichever"),
+          "the one-dispatch kernel's workspace is coherent(device) (Metal 3.2)"),
+    Fault("SK20", "csrc/kernels/gemm_4bit_splitk.h",
+          "    bnb_splitk_partials<T, NESTED>(A, B, absmax, absmax_8bit, absmax_code, absmax_offset, code, M, N, K, lda,\n"
+          "                                   block_shift, table, offset_kind, splits, work, tg.x, a_tile, tid, lane, sg);\n"
+          "}\n",
+          "    const uint S = bnb_splitk_partials<T, NESTED>(A, B, absmax, absmax_8bit, absmax_code, absmax_offset, code, M,\n"
+          "        N, K, lda, block_shift, table, offset_kind, splits, work, tg.x, a_tile, tid, lane, sg);\n"
+          "    threadgroup_barrier(mem_flags::mem_device);\n"
+          "    const uint cols = BNB_SPLITK_SIMDS * BNB_SMALL_ROWS * splits;\n"
+          "    const uint size = min(M, BNB_SMALL_M) * cols;\n"
+          "    if (tg.x % splits + 1u == S) {\n"
+          "        for (uint e = tid; e < size; e += BNB_SPLITK_THREADS) {\n"
+          "            bnb_splitk_add(work + tg.x / splits * splits * size, S, size, e, cols, tg.x / splits, N, out, bias,\n"
+          "                           flags);\n"
+          "        }\n"
+          "    }\n"
+          "}\n",
+          (SPLITK, "-k", "memory_model"),
+          "the two-dispatch split-K adds the slices in its second dispatch only (the first reads no other slot)"),
+    Fault("SK21", "csrc/kernels/gemm_4bit_splitk.h",
+          "    atomic_thread_fence(mem_flags::mem_device, memory_order_acquire, thread_scope_device);\n", "",
+          (SPLITK, "-k", "memory_model"),
+          "every thread of the tile's last threadgroup acquires the other slots at device scope before it reads them"),
 ]
 
 
