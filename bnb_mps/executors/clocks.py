@@ -16,16 +16,18 @@ raises `ClockFailed`, so that a caller never mistakes a clock's trouble for its 
   What the figure covers: torch stamps each event with the host's clock when Metal's shared-event
   listener reports that the GPU passed it (torch <= 2.14), or with the GPU end time of the command
   buffer that signalled it (torch >= 2.15); each `record()` commits the stream's command buffer. So
-  the batch is timed from the end of the GPU work before it to the end of its own, including any
-  time the GPU sat idle waiting for the host to encode (a batch of calls the host encodes more
-  slowly than the GPU runs them is timed at the host's pace), and, before 2.15, the listener's
-  delivery latency (microseconds) at each end.
+  the batch is timed from the end of the GPU work before it to the end of its own: where nothing
+  commits inside the batch (its calls in one command buffer, committed by the end event's
+  `record()`), the host's time to encode the calls plus the GPU's time to run them, and, before 2.15,
+  the listener's delivery latency (microseconds) at each end (docs/tuning.md, "The clock, exactly").
 - `CommandBufferClock` (the native tier, whose module reads command buffers' GPU times): after a
   synchronisation (so no earlier work shares the batch's first command buffer), every launch of the
-  batch is given a `_native.CommandBufferWatch`, whose completed handler each launch attaches to its
-  own command buffer inside its own step on the stream's queue, and after each call the stream's
-  current command buffer is watched too (`track()`: it holds the work of torch's own ops, e.g. the
-  linear of dequantize+linear or a route of bitsandbytes'); after a second synchronisation, the
+  batch is given a `_native.CommandBufferWatch` (per thread: `watching`), whose completed handler each
+  launch attaches to its own command buffer inside its own step on the stream's queue, and after each
+  call the stream's current command buffer, if it has one, is watched too (`track()`: it holds the
+  work of torch's own ops, e.g. the linear of dequantize+linear or a route of bitsandbytes'; after a
+  route that synchronised there is none, and none is made); after a second synchronisation, a batch
+  with a buffer that failed is refused (ClockFailed), else the
   batch is max(GPUEndTime) - min(GPUStartTime) over the watched buffers: GPU time, idle gaps between
   the batch's command buffers included.
 - `HostClock`: `time.perf_counter` around the batch (the emulated tier, CPU tensors): figures that
