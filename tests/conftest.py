@@ -47,7 +47,12 @@ def pytest_sessionfinish(session, exitstatus):
     from bnb_mps.executors import emulated
 
     try:
-        kernels = set(emulated.unit_libraries().kernels)  # (the session's compiled units)
+        kernels = set(emulated.unit_libraries().kernels)  # (the session's compiled units, at Metal 3.1)
+        # and the kernels compiled from Metal 3.2 only (the one-dispatch split-K kernels)
+        from bnb_mps.msl import source
+
+        at_3_2 = emulated.compile_unit("gemm_4bit_splitk", source.units()["gemm_4bit_splitk"], metal_version="3.2")
+        kernels |= set(at_3_2.kernels)
     except emulator.EmulatorError as e:
         _coverage_report.append((f"kernel coverage: not checked, no emulator here ({e})", False))
         return

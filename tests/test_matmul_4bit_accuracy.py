@@ -29,14 +29,16 @@ from kernel_harness import EmulatedExecutor
 from bnb_mps.ops import matmul_4bit
 
 
-PATHS = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "mma")
+PATHS = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "splitk/two", "mma")
 MS = (1, 2, 5, 8, 16, 40, 128)
 N = 40  # not a multiple of the 8 rows per threadgroup of gemv and batch, nor of mma's 64-wide tile
 
 
 def product(library, path: str, M: int, K: int, signs: str, seed: int):
     """(y, A, W): the float32 product of `path` on NF4 weights (blocksize 64) and activations drawn
-    from a normal distribution, or their absolute values (`signs` == "positive")."""
+    from a normal distribution, or their absolute values (`signs` == "positive"). `library`: (the
+    session's, the split-K unit at Metal 3.2): the one-dispatch split-K kernel exists only in the latter."""
+    library, library32 = library
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(N, K, generator=g)
     A = torch.randn(M, K, generator=g)
@@ -45,11 +47,14 @@ def product(library, path: str, M: int, K: int, signs: str, seed: int):
     nibbles, absmax = ref.quantize_4bit_nibbles(W, 64, "nf4")
     packed = torch.from_numpy(ref.pack_nibbles(nibbles)).reshape(-1, 1)
     absmax = torch.from_numpy(absmax)
-    ex = EmulatedExecutor(library)
+    ex = EmulatedExecutor(library32, language_version=(3, 2)) if path == "splitk" else EmulatedExecutor(library)
     y = matmul_4bit.gemm_4bit(ex, A, packed, [N, K], absmax, 64, "nf4", None, None, None, None, route=path)
-    kernel = "bnb_gemv_4bit_tglut" if path == "gemv/tglut" else ("bnb_gemv_4bit" if path == "gemv" else
-                                                                 f"bnb_gemm_4bit_{path.replace('/', '_')}")  # fmt: skip
-    assert ex.launched == [f"{kernel}_absmax_f32"]
+    if path == "splitk/two":
+        assert ex.launched == ["bnb_gemm_4bit_splitk_partial_absmax_f32", "bnb_gemm_4bit_splitk_sum_f32"]
+    else:
+        kernel = "bnb_gemv_4bit_tglut" if path == "gemv/tglut" else ("bnb_gemv_4bit" if path == "gemv" else
+                                                                     f"bnb_gemm_4bit_{path.replace('/', '_')}")  # fmt: skip
+        assert ex.launched == [f"{kernel}_absmax_f32"]
     return y, A, R.dequantized_weight(packed, (N, K), 64, "nf4", absmax)
 
 
@@ -63,13 +68,13 @@ def units(y: torch.Tensor, A: torch.Tensor, W: np.ndarray) -> float:
 
 @pytest.mark.parametrize("K", [256, 4096])
 @pytest.mark.parametrize("path", PATHS)
-def test_float32_error_against_float64(library, path, K):
+def test_float32_error_against_float64(library, library32, path, K):
     figures = {}
     for M in MS:
-        if (path.startswith("small") or path == "splitk") and M > matmul_4bit.SMALL_MAX_M:
+        if (path.startswith("small") or path.startswith("splitk")) and M > matmul_4bit.SMALL_MAX_M:
             continue  # (the small and split-K kernels take up to 32 rows)
         for signs in ("signed", "positive"):
-            y, A, W = product(library, path, M, K, signs, seed=M + K)
+            y, A, W = product((library, library32), path, M, K, signs, seed=M + K)
             e = units(y, A, W)
             figures[M, signs] = round(e, 2)
             assert e <= R.fp32_units(K), (M, signs, e)
