@@ -14,12 +14,14 @@ called, only when the host waits for the GPU (`torch.mps.synchronize()`, an even
 batch on a Mac, and a sequence that deadlocks when the host gets there first deadlocks here every
 time.
 
-The modelled GPU clock is deterministic, not the host's: the GPU runs the command buffers back to
-back, each taking `BUFFER_NS` plus `kernel_ns(name)` per kernel encoded into it (`Runtime.kernel_ns`,
-a test may set its own); a timing event is stamped with the GPU time at the end of the command buffer
-that signals it (torch >= 2.15: that buffer's GPUEndTime, MPSEvent.mm; before, the host's time when
-the shared-event listener runs, modelled with no delivery latency). So a batch's elapsed_time is the
-sum of the modelled costs of the work recorded between its two events.
+The modelled GPU clock: a timing event is stamped with the time at the end of the command buffer that
+signals it (torch >= 2.15: that buffer's GPUEndTime, MPSEvent.mm; before, the host's time when the
+shared-event listener runs, modelled with no delivery latency). By default that time is the host's
+when the buffer is committed (the work before it ran while it was encoded, under the emulator). With
+`Runtime.kernel_ns` set (a test sets it: kernel name -> ns) the clock is deterministic instead: the GPU
+runs the command buffers back to back, each taking `BUFFER_NS` plus `kernel_ns(name)` per kernel that
+ran in it, so a batch's elapsed_time is the sum of the modelled costs of the work between its events
+(torch's own ops, which run on the host here, cost nothing on it).
 
 A command buffer that faulted (a kernel's memory fault) stops there: the event signals encoded after
 the fault never happen (Metal runs nothing of a failed buffer after its error), so an event recorded
@@ -39,13 +41,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 
-#: modelled GPU time of one command buffer (its scheduling) and of one kernel by default
+#: modelled GPU time of one command buffer (its scheduling), on the deterministic clock
 BUFFER_NS = 2_000
-KERNEL_NS = 40_000
 
 
 class ModelledDeadlock(BaseException):
@@ -79,8 +81,8 @@ VERSIONS = {
 @dataclass
 class CommandBuffer:
     number: int
-    work_ns: int = BUFFER_NS  # modelled GPU time of its work: BUFFER_NS plus each kernel's
-    end_ns: int = 0  # the modelled GPU end (set at commit: the GPU runs buffers back to back in commit order)
+    work_ns: int = BUFFER_NS  # modelled GPU time of its work: BUFFER_NS plus each kernel's (kernel_ns set)
+    end_ns: int = 0  # the modelled GPU end, set at commit (see the module docstring)
     committed: bool = False
     completed: bool = False
     error: Optional[str] = None  # Metal's error text of a buffer that faulted
@@ -152,7 +154,10 @@ class Stream:
     def commit(self) -> None:  # SyncType::COMMIT
         buffer, self.current = self.current, None
         if buffer is not None:
-            self.runtime.gpu_ns += buffer.work_ns
+            if self.runtime.kernel_ns is None:
+                self.runtime.gpu_ns = time.perf_counter_ns()
+            else:  # (back to back, in commit order)
+                self.runtime.gpu_ns += buffer.work_ns
             buffer.committed, buffer.end_ns = True, self.runtime.gpu_ns
             self.runtime._in_flight.append(buffer)
 
@@ -174,7 +179,7 @@ class Runtime:
         self.events: dict[int, Event] = {}
         self.streams: dict[int, Stream] = {0: self.default_stream}  # stream_id -> stream
         self.gpu_ns = 1_000_000_000  # the modelled GPU clock (see the module docstring)
-        self.kernel_ns: Callable[[str], int] = lambda name: KERNEL_NS
+        self.kernel_ns: Optional[Callable[[str], int]] = None  # (None: the host's clock)
         self.counts = {"synchronize": 0, "event_synchronize": 0, "elapsed_time": 0, "record": 0, "kernels": 0,
                        "events": 0}
 
@@ -190,7 +195,8 @@ class Runtime:
             if buffer.error is not None:
                 return  # (a failed buffer runs nothing after its fault)
             error = run()
-            buffer.work_ns += int(self.kernel_ns(name))
+            if self.kernel_ns is not None:
+                buffer.work_ns += int(self.kernel_ns(name))
             if error is not None:
                 buffer.error = error
 
