@@ -400,6 +400,18 @@ def test_the_native_clock_fails_where_a_command_buffer_of_the_batch_failed(model
     assert clocks.CommandBufferClock(ex).batch(lambda: add_one(ex, x), 2) == pytest.approx(BUFFER + 2 * KERNEL)
 
 
+@pytest.mark.parametrize("where,allowed", [("queue", True), ("off-queue", False), ("committed", False)])
+def test_the_model_allows_a_completed_handler_only_before_commit_on_the_streams_queue(model, where, allowed):
+    """Apple: addCompletedHandler: is called before commit; torch's stream state (its current command
+    buffer) is touched only on the stream's serial queue, where commits happen. The model records a
+    misuse, and attaches nothing, otherwise."""
+    ran = model.probe_completed_handler(where)
+    misuses = model.misuses()
+    assert ran == allowed and (misuses == []) == allowed, misuses
+    if not allowed:
+        assert len(misuses) == 1 and "addCompletedHandler:" in misuses[0], misuses
+
+
 def test_a_watch_waits_for_handlers_that_run_after_the_waiters_woke(model):
     """Metal orders nothing between waitUntilCompleted returning and the completed handlers: the model
     wakes the waiters first and calls the handlers 0.3 s later. errors() waits for the handlers, so the

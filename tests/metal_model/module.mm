@@ -10,6 +10,9 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <chrono>
+#include <thread>
+
 namespace py = pybind11;
 
 extern "C" size_t bnb_model_pool_height(void);
@@ -61,6 +64,43 @@ void torch_op(double seconds) {
     stream->synchronize(at::mps::SyncType::COMMIT);
     [stream->commandBuffer() modelAddWork:seconds];
   });
+}
+
+// Adds a completed handler to the stream's command buffer the way `where` says: "queue" (on the
+// stream's queue, before commit: allowed), "off-queue" (from this thread, outside the queue), or
+// "committed" (on the queue, to the buffer it has just committed). Returns whether the handler ran
+// after a synchronize (what the model's rule says of it is in misuses()).
+bool probe_completed_handler(const std::string& where) {
+  at::mps::MPSStream* stream = at::mps::getDefaultMPSStream();
+  __block bool ran = false;
+  MTLCommandBufferHandler handler = ^(id<MTLCommandBuffer>) {
+    ran = true;
+  };
+  {
+    py::gil_scoped_release no_gil;
+    if (where == "off-queue") {
+      __block MPSCommandBuffer* buffer = nil;
+      dispatch_sync(stream->queue(), ^() {
+        buffer = stream->commandBuffer();
+      });
+      [buffer addCompletedHandler:handler];
+    } else {
+      dispatch_sync(stream->queue(), ^() {
+        MPSCommandBuffer* buffer = stream->commandBuffer();
+        if (where == "committed") {
+          stream->synchronize(at::mps::SyncType::COMMIT);
+        }
+        [buffer addCompletedHandler:handler];
+      });
+    }
+    dispatch_sync(stream->queue(), ^() {
+      stream->synchronize(at::mps::SyncType::COMMIT_AND_WAIT);
+    });
+  }
+  for (int i = 0; i < 200 && !ran && where == "queue"; ++i) {  // (handlers may run after the waiters woke)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return ran;
 }
 
 void commit() {
@@ -153,6 +193,8 @@ PYBIND11_MODULE(_metal_model, m) {
   m.def(
       "set_handler_delay", [](double seconds) { bnb::runtime().handler_delay = seconds; },
       "Seconds between waking a buffer's waiters and calling its completed handlers.");
+  m.def("probe_completed_handler", &probe_completed_handler, py::arg("where"),
+        "A completed handler added on the queue, off it, or after commit; whether it ran (tests of the model).");
   m.def("torch_op", &torch_op, py::arg("seconds"),
         "torch's own op (an MPSGraph op) on the stream: commit what is encoded, then `seconds` of modelled GPU "
         "work in a new command buffer.");
