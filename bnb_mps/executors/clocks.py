@@ -62,6 +62,8 @@ def _run(call: Callable[[], object], n: int) -> None:
     try:
         for _ in range(n):
             call()
+    except ClockFailed:
+        raise
     except Exception as e:
         raise CallRaised(str(e)) from e
 
@@ -120,9 +122,13 @@ class CommandBufferClock:
             watch = self._executor.watch_command_buffers()
         except Exception as e:
             raise ClockFailed(f"watching command buffers: {e}") from e
+
         def watched() -> None:
             call()
-            watch.track()  # (the stream's current buffer: work of torch's own ops, e.g. a route's linear)
+            try:
+                watch.track()  # (the stream's current buffer: work of torch's own ops, e.g. a route's linear)
+            except Exception as e:
+                raise ClockFailed(f"watching the stream's command buffer: {e}") from e
 
         with self._executor.watching(watch):  # (each launch attaches the handler to its own buffer)
             _run(watched, n)
