@@ -189,12 +189,13 @@ def load() -> tuple[types.ModuleType, types.ModuleType]:
 
 class EmulatorRuntime:
     """What the modelled GPU compiles and runs kernels with: the emulator (bnb_mps.emulator), the
-    same as the emulated tier, in its default float mode (Apple's: float32 subnormals flushed)."""
+    same as the emulated tier, in its default float mode (Apple's: float32 subnormals flushed), at the
+    Metal language version each compile asks for."""
 
     libraries: list = []
     limits: dict = {}  # kernel -> its pipelines' maxTotalThreadsPerThreadgroup (bnb_mps.modelled_mps.library)
 
-    def compile(self, source: bytes):
+    def compile(self, source: bytes, metal_version: str = "3.1"):
         from bnb_mps import emulator
 
         from bnb_mps.msl import source as kernel_source
@@ -202,7 +203,7 @@ class EmulatorRuntime:
         text = source.decode("utf-8")
         # (named as the emulated tier names a compile unit: the same text and name share its module cache)
         unit = next((name for name, unit_text in kernel_source.units().items() if unit_text == text), "metal-model")
-        library = emulator.Library(text, name=f"{unit}.metal")
+        library = emulator.Library(text, name=f"{unit}.metal", metal_version=metal_version)
         names = library.kernels  # (compiles it: a compile error is the compiler's message)
         EmulatorRuntime.libraries.append(library)
         from bnb_mps.modelled_mps.library import modelled_max_threads

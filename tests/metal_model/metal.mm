@@ -638,6 +638,19 @@ void Gpu::loop() {
 @interface BNBModelDevice : NSObject <MTLDevice>
 @end
 
+// The version a compile asks for, as the emulator names it (its __METAL_VERSION__ follows: the source's
+// `#if __METAL_VERSION__ >= 320` parts exist at 3.2 and later only). nil options: Metal's default, taken
+// as 3.1 (every version the module requests is set explicitly).
+static std::string model_language_version(MTLCompileOptions* options) {
+  const MTLLanguageVersion version = options != nil ? options.languageVersion : MTLLanguageVersion3_1;
+  if (version == MTLLanguageVersion4_0) return "4.0";
+  if (version == MTLLanguageVersion3_2) return "3.2";
+  if (version != MTLLanguageVersion3_1) {
+    bnb::model_misuse("a compile at a Metal language version the model does not run (below 3.1)");
+  }
+  return "3.1";
+}
+
 @implementation BNBModelDevice
 - (NSString*)name {
   return bnb_model_string("bnb-mps Metal model (kernels under the emulator)");
@@ -650,7 +663,8 @@ void Gpu::loop() {
   std::string message;
   if (!bnb::runtime().compile) {
     message = "the Metal model has no runtime to compile kernels with";
-  } else if (bnb::runtime().compile(bnb_model_text(source), &handle, &names, &message)) {
+  } else if (bnb::runtime().compile(bnb_model_text(source), model_language_version(options), &handle, &names,
+                                    &message)) {
     return [[BNBModelLibrary alloc] initWithHandle:handle names:names];
   }
   if (error != nullptr) {

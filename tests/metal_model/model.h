@@ -68,8 +68,10 @@ struct Binding {
 
 // How the model compiles and runs kernels (the Python side installs the emulator here).
 struct Runtime {
-  // MSL source -> a library handle and its kernel names; false with the compiler's message.
-  std::function<bool(const std::string& source, long* handle, std::vector<std::string>* names, std::string* error)>
+  // MSL source at a Metal language version ("3.1", "3.2", "4.0": the compile options') -> a library
+  // handle and its kernel names; false with the compiler's message.
+  std::function<bool(const std::string& source, const std::string& version, long* handle,
+                     std::vector<std::string>* names, std::string* error)>
       compile;
   // Runs one dispatch of `kernel` of library `handle` over `grid` threadgroups of `threadgroup`
   // threads; "" when it ran, else the fault's text.

@@ -122,11 +122,11 @@ PYBIND11_MODULE(_metal_model, m) {
         run_callable = new py::object(std::move(run));
         pipeline_limits = new py::dict();
         bnb::Runtime& rt = bnb::runtime();
-        rt.compile = [](const std::string& source, long* handle, std::vector<std::string>* names,
-                        std::string* error) -> bool {
+        rt.compile = [](const std::string& source, const std::string& version, long* handle,
+                        std::vector<std::string>* names, std::string* error) -> bool {
           py::gil_scoped_acquire gil;
           try {
-            py::tuple out = (*compile_callable)(py::bytes(source));
+            py::tuple out = (*compile_callable)(py::bytes(source), version);
             *handle = out[0].cast<long>();
             *names = out[1].cast<std::vector<std::string>>();
             return true;
@@ -166,7 +166,8 @@ PYBIND11_MODULE(_metal_model, m) {
         }
       },
       py::arg("compile"), py::arg("run"), py::arg("max_threads") = py::none(),
-      "compile(source: bytes) -> (handle, [kernel names]) or raises with the compiler's message; "
+      "compile(source: bytes, metal_version: str) -> (handle, [kernel names]) or raises with the compiler's "
+      "message; "
       "run(handle, kernel, grid, threadgroup, [(address, length) or bytes]) -> None or the fault's text; "
       "max_threads(kernel) -> maxTotalThreadsPerThreadgroup of its pipelines (unless set_pipeline_limit).");
   m.def(
