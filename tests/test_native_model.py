@@ -474,3 +474,58 @@ def test_tuning_on_the_native_tier_times_batches_of_several_calls_by_their_comma
         work = KERNEL + (TORCH_OP if route == "dequantize+linear" else 0.0)
         assert work < t <= work + 2 * BUFFER + 1e-12, (route, t, times)
     assert json.loads((tmp_path / "tune.json").read_text())
+
+
+def test_a_route_whose_command_buffers_abort_while_timed_is_not_taken_for_the_fastest(model, tier, monkeypatch,
+                                                                                    tmp_path):  # fmt: skip
+    """First-use tuning where the mma route's command buffers fail while it is timed (a page fault before
+    its kernel, which then never runs: on the modelled GPU clock the route costs next to nothing, so
+    taken as a timing it would be the fastest and be cached). A batch with a failed buffer is no
+    timing: twice, so nothing measured for the shape is kept or cached, and the built-in route serves."""
+    import bnb_mps
+    import command_buffer_fault as cbf
+    from bnb_mps.kernel_args import uint64
+    from bnb_mps.ops import tuning
+
+    monkeypatch.setenv(tuning.ENV_VAR, "1")
+    monkeypatch.setenv(tuning.EXCLUDE_ENV_VAR, "bitsandbytes")
+    for name in ("current_stream", "default_stream"):
+        if hasattr(torch.mps, name):
+            monkeypatch.setattr(torch.mps, name, lambda: types.SimpleNamespace(stream_id=0))
+    monkeypatch.setenv(tuning.CACHE_ENV_VAR, str(tmp_path / "tune.json"))
+    model.set_gpu_clock(lambda kernel: 0.0 if kernel == cbf.FAULT_NAME else KERNEL, BUFFER)
+    fault = metal_model.MpsBindings(built_native(model).compile_library(cbf.FAULT_KERNEL.read_text()), model)
+    target, far = torch.zeros(32, dtype=torch.int32), uint64(cbf.FAR_ELEMENTS).to_bytes()
+    real_prepare, faulted = tier.prepare, []
+
+    def prepare(kernel, grid, threadgroup):
+        launch = real_prepare(kernel, grid, threadgroup)
+        if not kernel.startswith("bnb_gemm_4bit_mma_"):
+            return launch
+
+        def aborting(args):
+            if getattr(tier._timing, "watch", None) is not None:  # (while timed only: verification passes)
+                fault.launch(cbf.FAULT_NAME, (1, 1, 1), (32, 1, 1), [target, far])
+                faulted.append(kernel)
+            launch(args)
+
+        return aborting
+
+    monkeypatch.setattr(tier, "prepare", prepare)
+    g = torch.Generator().manual_seed(9)
+    W = torch.randn(192, 128, generator=g)
+    X = torch.randn(3, 128, generator=g).to(torch.float16)
+    tuning.reset()
+    try:
+        with metal_model.serving_cpu_ops(tier):
+            packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, 64, "nf4", torch.uint8)
+            model.synchronize()
+            torch.ops.bitsandbytes.gemm_4bit(X, packed, [192, 128], absmax, 64, "nf4")
+            model.synchronize()
+            rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
+    finally:
+        tuning.reset()
+    assert faulted, "the mma route was not timed"
+    assert rows == [], rows
+    cache = tmp_path / "tune.json"
+    assert not (cache.exists() and "gemm_4bit" in cache.read_text())
