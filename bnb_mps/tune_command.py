@@ -29,8 +29,8 @@ DEFAULT_SHAPES = {"gpu": "4096x4096", "emulated": "96x256"}
 BLOCKSIZE = 64
 _DTYPES = ("float16", "bfloat16", "float32")
 #: route columns, in this order (those a shape has)
-_ORDER = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "mma", "kernel", "dequantize+linear",
-          "bitsandbytes")
+_ORDER = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "splitk/two", "mma", "kernel",
+          "dequantize+linear", "bitsandbytes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

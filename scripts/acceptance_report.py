@@ -476,7 +476,8 @@ def tuning_markdown(tune: Optional[dict[str, Any]], chart: Optional[str] = None)
     built-in route, GB/s and share of peak at M = 1, TFLOPS from M = 64, and the reference rows."""
     if not tune or "rows" not in tune:
         return "(not run)" if not tune else f"(results {tune.get('error', 'incomplete')})"
-    order = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "mma", "dequantize+linear", "bitsandbytes")
+    order = ("gemv", "gemv/tglut", "batch", "small", "small/wide", "splitk", "splitk/two", "mma", "dequantize+linear",
+             "bitsandbytes")
     routes = [n for n in order if any(n in r["times"] for r in tune["rows"])]
 
     def ms(t: Any) -> str:

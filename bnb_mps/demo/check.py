@@ -438,7 +438,7 @@ def gpu_verdicts(tier: str, executor, op_names) -> dict:
         check["verification"] = f"off ({verify.ENV_VAR}=0): the kernels served unverified"
     else:
         order = list(verify.FAMILIES)
-        families = sorted({f for op in op_names for f in verify.families_behind(op)}, key=order.index)
+        families = sorted({f for op in op_names for f in verify.families_behind(op, executor)}, key=order.index)
         check["verdicts"] = {}
         for family in families:
             v = verify.verdict(family, tier, executor)

@@ -82,7 +82,15 @@ def families_of(op: str) -> list[str]:
     return list(_FAMILY_OF_OP.get(op, ()))
 
 
-def families_behind(op: str) -> list[str]:
+def families_behind(op: str, executor=None) -> list[str]:
     """The families whose kernels serve `op`'s calls with tuning off: `families_of(op)` and those of
-    built-in paths with a fallback (`Family.serves`), in verification order."""
-    return [f.name for f in FAMILIES.values() if op in f.ops or op in f.serves]
+    built-in paths with a fallback (`Family.serves`), in verification order; with `executor`, only those
+    whose kernels exist at the Metal language version of its kernels (`Family.language_version`)."""
+    from ..plan import language_version_of
+
+    version = language_version_of(executor) if executor is not None else None
+
+    def exists(f: Family) -> bool:
+        return executor is None or f.language_version is None or (version is not None and version >= f.language_version)
+
+    return [f.name for f in FAMILIES.values() if (op in f.ops or op in f.serves) and exists(f)]
