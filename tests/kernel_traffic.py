@@ -37,18 +37,20 @@ class TrafficCase:
     name: str
     make: Callable[[], Callable[[], object]]  # builds the inputs (CPU), returns the op call
     required_bytes: int  # what the op must read and write at least
+    metal_version: str = "3.1"  # the Metal language version the kernels are compiled at
 
 
 CASES: dict[str, TrafficCase] = {}
 
 
-def case(name: str, required_bytes: int):
-    """Registers `make` (a function returning the op call) as the case `name`."""
+def case(name: str, required_bytes: int, metal_version: str = "3.1"):
+    """Registers `make` (a function returning the op call) as the case `name`, its kernels compiled at
+    `metal_version`."""
 
     def register(make: Callable[[], Callable[[], object]]):
         if name in CASES:
             raise ValueError(f"duplicate traffic case {name!r}")
-        CASES[name] = TrafficCase(name, make, required_bytes)
+        CASES[name] = TrafficCase(name, make, required_bytes, metal_version)
         return make
 
     return register
@@ -116,14 +118,16 @@ def _matmul_cases() -> None:
 
     code = create_dynamic_map(signed=True)
     N, bs = MATMUL_N, 64
-    # (the built-in path of each shape: the small kernel below K = 512, the split-K kernel from there)
-    for path, M, K in (("gemv", 1, MATMUL_K), ("splitk", 8, MATMUL_K), ("small", 8, MATMUL_K // 2),
-                       ("mma", 64, MATMUL_K)):
+    # (the built-in path of each shape: the small kernel below K = 512, the split-K kernel from there, in
+    # one dispatch from Metal 3.2, in two below)
+    for path, M, K, version in (("gemv", 1, MATMUL_K, "3.1"), ("splitk", 8, MATMUL_K, "3.2"),
+                                ("splitk/two", 8, MATMUL_K, "3.1"), ("small", 8, MATMUL_K // 2, "3.1"),
+                                ("mma", 64, MATMUL_K, "3.1")):  # fmt: skip
         nblocks = N * K // bs
         # the packed weight, its 8-bit scales, their 256-blocks' scales, A, the output
         required = N * K // 2 + nblocks + 4 * math.ceil(nblocks / 256) + 2 * M * K + 2 * M * N
 
-        @case(f"gemm_4bit {path} nf4 nested f16 M={M} {N}x{K}", required)
+        @case(f"gemm_4bit {path} nf4 nested f16 M={M} {N}x{K}", required, version)
         def _(M=M, K=K):
             W = _randn(N * K, torch.float32, seed=1).reshape(N, K)
             packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, bs, "nf4", torch.uint8)
@@ -244,7 +248,7 @@ def measure(c: TrafficCase) -> Row:
     from bnb_mps.testing import use_emulated_kernels
 
     call = c.make()
-    with use_emulated_kernels(profile=True) as kernels:
+    with use_emulated_kernels(profile=True, metal_version=c.metal_version) as kernels:
         call()
     if not kernels.profiles:
         raise AssertionError(f"{c.name}: the op launched no kernel")
