@@ -15,6 +15,7 @@ import torch
 import reference_matmul_4bit as R
 import spec_reference as ref
 from matmul_4bit_cases import DT, Case, gemm_args, splitk_slices_per_tile
+from bnb_mps.ops.plan import language_version_of
 from bnb_mps import executors, ops
 from bnb_mps.ops import matmul_4bit
 
@@ -44,9 +45,10 @@ def run_gemm(executor, case: Case):
     rec = Recording(executor)
     y = ops.call(ops.OPS["gemm_4bit"], tuple(args), {}, rec)
     torch.mps.synchronize()
-    assert len(rec.launched) == 1 and y.device.type == "mps"
-    path = matmul_4bit.choose_path(case.M, case.N, case.K)
-    assert path in rec.launched[0]
+    version = language_version_of(executor)
+    path = matmul_4bit.choose_path(case.M, case.N, case.K, language_version=version)
+    assert len(rec.launched) == (2 if path == "splitk/two" else 1) and y.device.type == "mps", rec.launched
+    assert path.split("/")[0] in rec.launched[0]
     return R.check_accuracy(y.cpu().reshape(-1, case.N), A.reshape(-1, case.K), W, bias, linear_device="mps")
 
 
@@ -64,30 +66,37 @@ def test_llama_shapes(executor, shape, M):
     run_gemm(executor, Case(M, N, K, dtype=torch.float16, nested=True, seed=N + M))
 
 
+@pytest.mark.parametrize("route", ["splitk", "splitk/two"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_split_k_gives_the_same_bits_every_time(executor, dtype):
-    """The split-K kernel's threadgroups meet through device memory (csrc/kernels/gemm_4bit_splitk.h): the
-    last of a tile to count adds the tile's partial sums. On the GPU, with threadgroups truly running at
+def test_split_k_gives_the_same_bits_every_time(executor, dtype, route):
+    """The split-K kernels' threadgroups meet through device memory (csrc/kernels/gemm_4bit_splitk.h): in
+    one dispatch (Metal >= 3.2 only: skipped on a tier below) the last of a tile to count adds the tile's
+    partial sums; in two, a second dispatch adds them. On the GPU, with threadgroups truly running at
     once, 30 calls of each shape alternating A and -A (so that a partial sum read before its slice wrote
     it, still holding the previous call's, gives another number) must each give the bits of the first
-    call with the same A, within the reference's bound, and leave each tile's counter with its
-    threadgroups' count (S, or fewer for a last tile of fewer groups) under the last call's tag (what the emulator shows with threadgroups in several orders)."""
+    call with the same A, within the reference's bound, and the one dispatch leave each tile's counter with its threadgroups' count (S, or fewer for a last tile of fewer
+    groups) under the last call's tag (what the emulator shows with threadgroups in several orders)."""
     from bnb_mps.ops import workspace
 
+    version = language_version_of(executor)
+    if route == "splitk" and not matmul_4bit.handover(version):
+        pytest.skip(f"the {executor.name} tier compiles Metal {version}: no one-dispatch split-K kernel")
     workspace.release()  # (only this test's buffers below: other tests leave theirs, on other devices too)
     # (2880: rows cut where their own lines begin, a group of each tile per phase; 1000 columns: a partial
     # tile; 1040 columns at S = 4: a last tile of 16, one threadgroup over all of K)
     for M, N, K in ((5, 4096, 4096), (32, 11008, 4096), (13, 1000, 1040), (8, 1000, 2880), (8, 1040, 1024)):
         case = Case(M, N, K, dtype=dtype, nested=True, bias=True, seed=M + K)
-        assert matmul_4bit.choose_path(M, N, K) == "splitk"
+        assert matmul_4bit.choose_path(M, N, K, language_version=version) in ("splitk", "splitk/two")
         A, args, W, bias = gemm_args(case, "mps")
         signed = [args, [-args[0], *args[1:]]]
-        ys = [ops.call(ops.OPS["gemm_4bit"], tuple(signed[i % 2]), {}, executor) for i in range(30)]
+        ys = [ops.OPS["gemm_4bit"].kernel(executor, *signed[i % 2], route=route) for i in range(30)]
         torch.mps.synchronize()
         for i, y in enumerate(ys):
             assert torch.equal(y.cpu().view(torch.uint8), ys[i % 2].cpu().view(torch.uint8)), (M, N, K, i)
         for sign, y in ((1, ys[0]), (-1, ys[1])):
             R.check_accuracy(y.cpu().reshape(-1, N), sign * A.cpu().reshape(-1, K), W, bias, linear_device="mps")
+        if route == "splitk/two":
+            continue
         (counters,) = [buf for key, buf in workspace._buffers.items()
                        if key[1] == "splitk counters" and key[0].type == "mps"]
         S = matmul_4bit.splitk_splits(M, K, dtype.itemsize)
