@@ -424,3 +424,43 @@ def test_the_verdict_key_holds_the_language_version_and_the_units_text(monkeypat
         assert not verify.verdict("matmul_4bit_splitk_two", "emulated", _Tier((3, 2))).cached and len(runs) == 3
     finally:
         verify.reset()
+
+
+def test_the_op_layer_reads_the_tiers_language_version(monkeypatch):
+    """`language_version_of`: the executor's `language_version` (a wrapper's inner executor's where it has
+    none), the shader tier's from torch and macOS (bnb_mps.executors.shader.language_version), None where
+    nothing says it; and a kept plan is not served once the executor's version changed (the emulated
+    tier's is set in place)."""
+    from bnb_mps.executors import shader
+    from bnb_mps.ops import dispatcher_entry
+    from bnb_mps.ops import plan as plan_module
+    from bnb_mps.testing import RecordingExecutor
+
+    assert plan_module.language_version_of(_Tier((3, 2))) == (3, 2)
+    assert plan_module.language_version_of(_Tier("4.0")) == (4, 0)
+    wrapper = RecordingExecutor(_Tier((3, 2)))
+    assert plan_module.language_version_of(wrapper) == (3, 2)
+    assert plan_module.language_version_of(RecordingExecutor()) is None
+
+    class Shader:
+        name = "shader"
+
+    want = shader.language_version(None, shader.torch_version())
+    assert plan_module.language_version_of(Shader()) == want == (3, 1)  # (off macOS)
+
+    meta = torch.device("meta")
+    N, K, M = 128, 1024, 4
+    args = (torch.empty(M, K, dtype=torch.float16, device=meta), torch.empty(N * K // 2, 1, dtype=torch.uint8,
+            device=meta), [N, K], torch.empty(N * K // 64, device=meta), 64, "nf4")  # fmt: skip
+    rec = RecordingExecutor()
+    rec.language_version = (3, 1)
+    entry = dispatcher_entry("gemm_4bit", executor=rec)
+    entry(args, {})
+    assert rec.launched == ["bnb_gemm_4bit_splitk_partial_absmax_f16", "bnb_gemm_4bit_splitk_sum_f16"]
+    rec.clear()
+    rec.language_version = (3, 2)
+    entry(args, {})
+    assert rec.launched == ["bnb_gemm_4bit_splitk_absmax_f16"]
+    rec.clear()
+    entry(args, {})  # (kept for the new version)
+    assert rec.launched == ["bnb_gemm_4bit_splitk_absmax_f16"] and len(entry.plans) == 1
