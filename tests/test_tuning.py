@@ -947,3 +947,39 @@ def test_bitsandbytes_cpu_code_that_depends_on_the_instruction_set_is_no_route(n
     assert ops.call_counts()[name] == {"emulated": 1}
     rows = [r for r in bnb_mps.tuning_table() if r["op"] == name]  # (none where the kernel is the only route)
     assert all("bitsandbytes" not in r["times"] for r in rows), rows
+
+
+def test_a_one_dispatch_split_k_that_fails_verification_gives_way_to_two_dispatches(fresh_tier_selection, tmp_path):
+    """A tier compiling Metal 3.2 whose one-dispatch split-K hand-over does not hold (its launches
+    dropped): matmul_4bit_splitk fails, the two-dispatch family passes, and the calls take the built-in
+    path of a tier without the hand-over (the cost model's choice: the two dispatches at M = 8, K = 1024),
+    bit for bit the two-dispatch result, tuning off."""
+    from bnb_mps.executors import emulated
+
+    class DroppingOneDispatch(RecordingExecutor):
+        def launch(self, kernel, *, grid, threadgroup, args):
+            if kernel.startswith("bnb_gemm_4bit_splitk_") and "_partial_" not in kernel and "_sum_" not in kernel:
+                self.launches.append((kernel, tuple(grid), tuple(threadgroup), []))
+                return
+            super().launch(kernel, grid=grid, threadgroup=threadgroup, args=args)
+
+    args = gemm_args(8, N=40, K=1024, dtype=torch.float16, bias=True, seed=8)
+    with emulated.settings(metal_version="3.2"):
+        assert ops.matmul_4bit.choose_path(8, 40, 1024, language_version=(3, 2)) == "splitk"
+        assert ops.matmul_4bit.choose_path(8, 40, 1024, language_version=None) == "splitk/two"
+        want = gemm_by_hand("splitk/two", args, "3.2")
+        stand_in = stand_in_for_shader(fresh_tier_selection, tmp_path, DroppingOneDispatch(executors.load_tier("emulated")))
+        try:
+            assert not verify.verdict("matmul_4bit_splitk", "shader", stand_in).passed
+            assert verify.verdict("matmul_4bit_splitk_two", "shader", stand_in).passed
+            stand_in.clear()
+            fresh_tier_selection.setenv(tuning.ENV_VAR, "0")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", verify.VerificationWarning)
+                got = ops.op_packet("gemm_4bit").redispatch(MPS, *copy.deepcopy(args))
+            assert same_bits(got, want)
+            # (besides the first-use verification of the op's other families)
+            assert [k for k in stand_in.launched if "_splitk_" in k] == ["bnb_gemm_4bit_splitk_partial_nested_f16",
+                                                                        "bnb_gemm_4bit_splitk_sum_f16"]
+        finally:
+            verify.reset()

@@ -21,7 +21,8 @@ optimizer (kernel, bitsandbytes); int8_linear_matmul (kernel, torch._int_mm). Ev
 kernel alone. A route other than the
 built-in one is a candidate only where the kernel families it runs passed first-use verification
 (`Candidate.families`; bnb_mps.ops.tuning asks bnb_mps.ops.verify). The built-in split-K paths
-give way to `small` where their family did not pass (FALLBACK). Which paths a call has depends on the
+give way where their family did not pass (FALLBACK): the one-dispatch kernel to the two-dispatch one or
+`small` (the cost model's choice without it), the two-dispatch one to `small`. Which paths a call has depends on the
 Metal language version of the tier's kernels (bnb_mps.ops.plan.language_version_of), which the cache
 key of tuning's choices holds (bnb_mps.ops.verify.cache_key).
 
@@ -62,9 +63,13 @@ PATH_FAMILIES = {"gemv": ("matmul_4bit_gemv",), "gemv/tglut": ("matmul_4bit_tglu
                  "splitk/two": ("matmul_4bit_splitk_two",), "mma": ("matmul_4bit_mma",)}  # fmt: skip
 
 #: a built-in path whose kernel family is not one of its ops' gate (bnb_mps.ops.verify.families) -> the
-#: path that serves its calls where that family did not pass first-use verification: the split-K
-#: kernels' threadgroups meet through device memory, which only the user's GPU can show to hold
-FALLBACK = {"splitk": "small", "splitk/two": "small"}
+#: path that serves its calls where that family did not pass first-use verification (and, where that
+#: one did not either, its own fallback): the split-K kernels' threadgroups meet through device memory,
+#: which only the user's GPU can show to hold. The one-dispatch split-K gives way to the built-in path of
+#: a tier without its hand-over (`WITHOUT_HANDOVER`: the cost model's cheaper of the two-dispatch split-K
+#: and the small kernel), the two-dispatch split-K to the small kernel.
+WITHOUT_HANDOVER = "(the built-in path without the hand-over)"
+FALLBACK = {"splitk": WITHOUT_HANDOVER, "splitk/two": "small"}
 
 #: rows of A are rounded up to a power of two up to this; more rows make one bucket above it,
 #: measured at this many rows (the routes are throughput-bound there and rank alike)
@@ -110,9 +115,11 @@ def of(op: OpDef, args: Sequence, executor, tier: str, stock: Optional[Callable]
     planned = op.planned
     version = language_version_of(executor) if planned is not None and planned.versioned else None
     paths = planned.path_names(args, version) if planned is not None else ("kernel",)
-    builtin = paths[0]  # (what the planner plans without a route)
-    if verified and builtin in FALLBACK and verify.unverified(PATH_FAMILIES[builtin], tier, executor):
-        paths = (FALLBACK[builtin], *(p for p in paths if p != FALLBACK[builtin]))
+    builtin = serving = paths[0]  # (what the planner plans without a route)
+    while verified and serving in FALLBACK and verify.unverified(PATH_FAMILIES[serving], tier, executor):
+        serving = FALLBACK[serving] if FALLBACK[serving] != WITHOUT_HANDOVER else planned.path_names(args, None)[0]
+    if serving != builtin:
+        paths = (serving, *(p for p in paths if p != serving))
     counted = (op.name, tier)
 
     def kernel(path: str) -> Candidate:

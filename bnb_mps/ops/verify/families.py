@@ -49,8 +49,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # it fails, only the variant is then no candidate for tuning (bnb_mps.ops.tuning).
     Family("matmul_4bit_tglut", (), lambda: _routed(matmul_cases(1, 20, 1280, seed=930), "gemv/tglut")),
     Family("matmul_4bit_small_wide", (), lambda: _routed(matmul_cases(12, 12, 400, seed=950), "small/wide")),
-    # Built-in paths with a fallback: when one fails, no op leaves the tier; the small path serves its
-    # calls instead (bnb_mps.ops.candidates.FALLBACK). Their threadgroups meet through device memory
+    # Built-in paths with a fallback: when one fails, no op leaves the tier; another path serves its calls
+    # instead (bnb_mps.ops.candidates.FALLBACK: one dispatch gives way to two or to the small kernel, two
+    # to the small kernel). Their threadgroups meet through device memory
     # (gemm_4bit_splitk.h), what only the user's GPU can show to hold: in one dispatch (Metal >= 3.2
     # only), or in two.
     Family("matmul_4bit_splitk", (), lambda: _routed(_splitk_cases(), "splitk"), serves=_MATMUL_OPS,
