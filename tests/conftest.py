@@ -1,10 +1,16 @@
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # shared test helpers (op_inputs, references)
+
+import tiers  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
 
 
 def _mps_available() -> bool:
@@ -71,6 +77,11 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tiers (tests/tiers.py): each test carries its module's tier marker, unless it has one of its own.
+    for item in items:
+        if not any(item.get_closest_marker(t) for t in tiers.TIERS):
+            relative = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+            item.add_marker(getattr(pytest.mark, tiers.tier_of(relative)))
     # `slow` cases (the long tails of matrices whose every kernel variant the default run already
     # covers) run only when selected: `pytest -m slow`, or any -m expression naming slow.
     if "slow" not in (config.getoption("-m") or ""):
@@ -190,3 +201,45 @@ def executor(request):
         return executors.load_tier(request.param)
     except ExecutorUnavailable as e:
         pytest.skip(f"{request.param} tier unavailable: {e}")
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request):
+    """What a test's tier allows (tests/tiers.py): a `unit` test starts no subprocess and launches
+    nothing on the emulator; a `kernels` test runs no program of the project's in a subprocess (Python,
+    a script: the emulator's own compiler runs are its business)."""
+    unit, kernels = (request.node.get_closest_marker(t) is not None for t in ("unit", "kernels"))
+    if not (unit or kernels):
+        yield
+        return
+    tier = "unit" if unit else "kernels"
+    # (a MonkeyPatch of its own, undone last: the test's `monkeypatch` must be undone before the
+    # other fixtures' teardowns, which an autouse fixture requesting it would delay)
+    monkeypatch = pytest.MonkeyPatch()
+
+    def violation(what):
+        return tiers.TierViolation(f"a `{tier}` test {what}: mark it (or list its module) as a later tier in "
+                                   "tests/tiers.py")
+
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_popen(self, args, *rest, **kwargs):
+        command = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = os.path.basename(str(command[0])) if command else ""
+        if unit or program.startswith("python") or os.path.realpath(str(command[0])) == os.path.realpath(
+                sys.executable) or program in ("bash", "sh") or program.endswith(".sh"):  # fmt: skip
+            raise violation(f"started a subprocess ({' '.join(map(str, command))[:120]})")
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen)
+    if unit:
+        from bnb_mps.emulator import library
+
+        def refused(*args, **kwargs):
+            raise violation("used the emulator")
+
+        monkeypatch.setattr(library, "_runtime", refused)
+    try:
+        yield
+    finally:
+        monkeypatch.undo()

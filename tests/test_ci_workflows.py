@@ -87,14 +87,14 @@ def test_the_workflow_builds_as_the_readme_says(workflow):
 
 
 def test_the_workflow_runs_the_script_ci_runs_deselecting_only_the_mps_tests(workflow):
-    """scripts/test.sh (what .ci/run calls), with what a run without arguments adds (--kernel-coverage)
-    and the `mps` tests deselected: the runners report an mps device that does not work, so
+    """scripts/test.sh (what .ci/run calls), with what its full gate adds (--kernel-coverage,
+    --durations=25) and the `mps` tests deselected: the runners report an mps device that does not work, so
     tests/conftest.py's skip (torch.backends.mps.is_available()) would not skip them."""
     script = ci_script()
     assert script == "scripts/test.sh"
     (args,) = invocations(workflow, script)
-    assert args == ["--kernel-coverage", "-m", "not mps"], args
-    assert "set -- --kernel-coverage" in (ROOT / script).read_text()  # (what test.sh adds without arguments)
+    assert args == ["--kernel-coverage", "--durations=25", "-m", "not mps"], args
+    assert "full=(--kernel-coverage --durations=25)" in (ROOT / script).read_text()  # (the full gate's arguments)
     assert "torch.backends.mps.is_available()" in (ROOT / "tests" / "conftest.py").read_text()
     (step,) = [s for s in steps(workflow) if f"bash {script}" in s.get("run", "")]
     assert str(step.get("env", {}).get("CI", "true")).lower() == "true"

@@ -70,6 +70,7 @@ def cpu_oom():
 # --------------------------------------------------------------------------- import
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_import_is_light():
     code = (
         "import sys, bnb_mps.device; "

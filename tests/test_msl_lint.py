@@ -122,6 +122,7 @@ def test_metal_rules_accept_legitimate_source(snippet):
     assert msl_lint.lint_source("#include <metal_stdlib>\nusing namespace metal;\n" + snippet) == []
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_cli_exit_codes():
     bad = subprocess.run([sys.executable, "-m", "bnb_mps.msl_lint", str(CASES / "double.metal")],
                          capture_output=True, text=True)
@@ -148,6 +149,7 @@ def _lint(path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)  # fmt: skip
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_a_kernel_calling_an_unqualified_sqrt_fails_the_lint(tmp_path):
     kernels = _kernels_copy(tmp_path)
     assert _lint(kernels).returncode == 0  # the clean source passes
@@ -161,6 +163,7 @@ def test_a_kernel_calling_an_unqualified_sqrt_fails_the_lint(tmp_path):
     assert r.returncode == 1 and "[float-math] `sqrt(...)`" in r.stdout and "metal::precise::sqrt" in r.stdout
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_a_unit_without_the_contraction_pragma_first_fails_the_lint(tmp_path):
     kernels = _kernels_copy(tmp_path)
     unit = kernels / "quantize_8bit.metal"
@@ -180,6 +183,7 @@ def test_a_unit_without_the_contraction_pragma_first_fails_the_lint(tmp_path):
     assert _lint(kernels).stdout.count("[fp-contract]") == units  # under a condition it pins nothing at 3.1
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_a_standard_library_not_followed_by_the_pragmas_fails_the_lint(tmp_path):
     """A pragma of <metal_stdlib>'s own would hold for every kernel after it: the pragmas are repeated
     right after it (bnb_common.h), and a unit without that repetition fails the rule fp-contract."""
@@ -197,6 +201,7 @@ def test_a_standard_library_not_followed_by_the_pragmas_fails_the_lint(tmp_path)
 
 
 @pytest.mark.parametrize("version", [310, 320, 400])
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_every_unit_preprocessed_at_each_language_version_pins_contraction_first(version):
     """What each tier hands Metal (one text per unit, local headers inlined), preprocessed as at Metal
     3.1, 3.2 and 4.0: `#pragma clang fp contract(off)` comes before the first line of code and before
@@ -221,6 +226,7 @@ def test_every_unit_preprocessed_at_each_language_version_pins_contraction_first
             assert ("#pragma METAL fp math_mode(safe)" in part) == (version >= 320), (name, version)
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_the_preprocessed_check_fails_a_unit_that_pins_too_late():
     from bnb_mps.msl import math_mode
 

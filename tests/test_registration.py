@@ -34,6 +34,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_plain_import_of_bitsandbytes_registers_every_schema():
     """No import of bnb_mps: bitsandbytes' entry point does it."""
     proc = run_python(
@@ -56,6 +57,7 @@ def test_plain_import_of_bitsandbytes_registers_every_schema():
     assert SCHEMAS_0_50 <= set(out["mps"])
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_entry_point_is_silent_and_cheap_on_linux():
     """Same output with and without bnb_mps' entry point, which loads only the registration
     module and its hooks (paged optimizers, AdEMAMix8bit state loads; the op layer, executors and emulator load on
@@ -287,6 +289,7 @@ def test_mps_calls_trigger_the_message_once_and_cpu_key_calls_do_not(fresh_tier_
     assert len(slow) == 1 and "quantize_blockwise" in str(slow[0].message) and "cpu tier" in str(slow[0].message)
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_diagnostics_command():
     proc = subprocess.run([sys.executable, "-m", "bnb_mps"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -495,6 +495,7 @@ HEADER = """
 """
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_the_cache_is_read_by_a_new_process_and_invalidated_by_a_source_change(tmp_path):
     cache = tmp_path / "tune.json"
     env = {tuning.CACHE_ENV_VAR: str(cache), tuning.ENV_VAR: "1"}
@@ -599,6 +600,7 @@ def test_mps_a_real_shape_is_measured_on_the_gpu_clock(monkeypatch):
 # -- python -m bnb_mps tune ----------------------------------------------------------------------------------
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_the_tune_command_measures_every_candidate_on_the_emulated_tier_and_says_the_times_mean_nothing(tmp_path):
     extras.require("matplotlib")  # (for the chart; a test extra: under CI its absence fails this test)
     out_json, chart = tmp_path / "tune.json", tmp_path / "tune.png"

@@ -964,6 +964,7 @@ def test_the_verify_table_shows_what_a_first_run_found():
     assert "int8_quant:" not in text  # (a plain pass has its row only)
 
 
+@pytest.mark.model  # (a subprocess: tests/tiers.py)
 def test_python_m_bnb_mps_verify(tmp_path):
     """The command, in a process of its own: the kernels' load and compile, then the verification,
     each with its time. (The emulator's compiled modules stay where this session keeps them.)"""
