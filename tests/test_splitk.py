@@ -452,15 +452,34 @@ def test_the_op_layer_reads_the_tiers_language_version(monkeypatch):
     N, K, M = 128, 1024, 4
     args = (torch.empty(M, K, dtype=torch.float16, device=meta), torch.empty(N * K // 2, 1, dtype=torch.uint8,
             device=meta), [N, K], torch.empty(N * K // 64, device=meta), 64, "nf4")  # fmt: skip
-    rec = RecordingExecutor()
-    rec.language_version = (3, 1)
+    for version, launched in (((3, 1), ["bnb_gemm_4bit_splitk_partial_absmax_f16", "bnb_gemm_4bit_splitk_sum_f16"]),
+                              ((3, 2), ["bnb_gemm_4bit_splitk_absmax_f16"])):  # fmt: skip
+        rec = RecordingExecutor()
+        rec.language_version = version
+        entry = dispatcher_entry("gemm_4bit", executor=rec)
+        entry(args, {})
+        assert rec.launched == launched
+        rec.clear()
+        entry(args, {})  # (kept)
+        assert rec.launched == launched and len(entry.plans) == 1
+
+
+def test_a_change_of_the_emulated_tiers_language_version_drops_what_was_kept(monkeypatch):
+    """The emulated tier's Metal version is a setting changed in place: what the op layer kept for its
+    kernels (bound to the kernels of the version it was planned at) is dropped on the way in and out."""
+    from bnb_mps.executors import emulated
+    from bnb_mps.ops import dispatcher_entry
+    from bnb_mps.testing import RecordingExecutor
+
+    monkeypatch.setenv("BNB_MPS_TUNE", "0")
+    A, args, W, bias = gemm_args(Case(4, 128, 1024, torch.float16))
+    rec = RecordingExecutor(emulated.load())
     entry = dispatcher_entry("gemm_4bit", executor=rec)
-    entry(args, {})
-    assert rec.launched == ["bnb_gemm_4bit_splitk_partial_absmax_f16", "bnb_gemm_4bit_splitk_sum_f16"]
-    rec.clear()
-    rec.language_version = (3, 2)
-    entry(args, {})
-    assert rec.launched == ["bnb_gemm_4bit_splitk_absmax_f16"]
-    rec.clear()
-    entry(args, {})  # (kept for the new version)
-    assert rec.launched == ["bnb_gemm_4bit_splitk_absmax_f16"] and len(entry.plans) == 1
+    for version, launched in (("3.1", ["bnb_gemm_4bit_splitk_partial_absmax_f16", "bnb_gemm_4bit_splitk_sum_f16"]),
+                              ("3.2", ["bnb_gemm_4bit_splitk_absmax_f16"]),
+                              ("3.1", ["bnb_gemm_4bit_splitk_partial_absmax_f16", "bnb_gemm_4bit_splitk_sum_f16"])):  # fmt: skip
+        with emulated.settings(metal_version=version):
+            rec.clear()
+            y = entry(tuple(args), {})
+            assert rec.launched == launched
+            R.check_accuracy(y, A, W, bias)

@@ -231,11 +231,20 @@ def settings(*, order: str | None = None, race_check: bool | None = None, poison
         ex.seed = int(seed)
     if float_mode is not None:
         ex.float_mode = float_mode
+    # Another language version means other kernels (and routes): what the op layer bound to this tier's
+    # kernels is dropped with the tier choice (bnb_mps.executors.reset), on the way in and out.
+    from . import reset
+
+    changed = metal_version is not None and metal_version != ex.metal_version
     if metal_version is not None:
         ex.metal_version = metal_version
     if coherence_check is not None:
         ex.coherence_check = bool(coherence_check)
+    if changed:
+        reset()
     try:
         yield ex
     finally:
         ex.order, ex.race_check, ex.poison, ex.seed, ex.float_mode, ex.metal_version, ex.coherence_check = saved
+        if changed:
+            reset()

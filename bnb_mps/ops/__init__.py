@@ -85,13 +85,12 @@ def dispatcher_entry(name: str, executor: Optional[executors.Executor] = None, h
         reason = "schema arguments changed: bnb_mps does not know this bitsandbytes version's " + name
         return lambda args, kwargs: hand_back(name, reason)(*args, **kwargs)
     where = Where(executor, hand_back, stock)
-    kept = _Plans(op, where)
+    kept = _Plans(op)
     plans, skip = kept.plans, kept.skip
 
     def entry(args: tuple, kwargs: dict):
         served = None
-        if (plans and not kwargs and kept.generation == executors.generation and kept.epoch == routing.epoch
-                and kept.version == kept.version_now()):  # fmt: skip
+        if plans and not kwargs and kept.generation == executors.generation and kept.epoch == routing.epoch:
             key = _plan.key(args, skip)
             served = plans.get(key) if key is not None else None  # a call like an earlier one: what served it
         if served is None:  # a new call signature
@@ -123,33 +122,24 @@ class _Plans:
     """What serves one op's call signatures, keyed by metadata: launch plans (bnb_mps.ops.plan) and
     the other callables a signature resolves to (bnb_mps.ops.served).
 
-    They are dropped whenever the executors' selection (executors.generation), any route
-    (routing.epoch) or the Metal language version of the executor's kernels (the kernels a plan may
-    launch: bnb_mps.ops.plan.language_version_of) changes: `routing.forget()` (and
-    bnb_mps.ops.tuning.reset()) makes them again."""
+    They are dropped whenever the executors' selection (executors.generation: also when the emulated
+    tier's Metal language version changes, which changes the kernels a plan may launch) or any route
+    (routing.epoch) changes: `routing.forget()` (and bnb_mps.ops.tuning.reset()) makes them again."""
 
     LIMIT = 1024  # signatures kept per op (a caller with ever new shapes must not grow memory without bound)
 
-    def __init__(self, op: OpDef, where: Optional[Where] = None) -> None:
+    def __init__(self, op: OpDef) -> None:
         self.plans: dict = {}
         self.skip = op.planned.dynamic_positions if op.planned is not None else 0
-        self._executor = where.executor if where is not None else None
-        # the tier selection, routes and language version the plans were made under
-        self.generation = self.epoch = -1
-        self.version = None
-
-    def version_now(self) -> Optional[tuple]:
-        """The language version of the kernels the op's calls run now (its executor's, else the tier's)."""
-        executor = self._executor if self._executor is not None else executors.selection().executor
-        return _plan.language_version_of(executor)
+        self.generation = self.epoch = -1  # the tier selection and routes the plans were made under
 
     def keep(self, args: tuple, served) -> None:
         """Keep what serves the call signature of `args` (positional arguments as the dispatcher gave them)."""
         key = _plan.key(args, self.skip)
         if key is None:
             return
-        now = (executors.generation, routing.epoch, self.version_now())
-        if len(self.plans) >= self.LIMIT or (self.generation, self.epoch, self.version) != now:
+        now = (executors.generation, routing.epoch)
+        if len(self.plans) >= self.LIMIT or (self.generation, self.epoch) != now:
             self.plans.clear()
-        self.generation, self.epoch, self.version = now
+        self.generation, self.epoch = now
         self.plans[key] = served
