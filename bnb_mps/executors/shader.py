@@ -56,12 +56,12 @@ from __future__ import annotations
 
 import operator
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 import torch
+from torch.torch_version import TorchVersion, Version
 
 from ..device import _macos_version
 from ..msl import source as kernel_source
@@ -173,8 +173,8 @@ _CAST_FOR_WIDTH = {1: "int8", 2: "int16", 4: "int32"}
 
 
 def torch_version() -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    """(major, minor) of the running torch (torch's own version parsing)."""
+    return tuple(Version(TorchVersion(torch.__version__)).release[:2])
 
 
 def scalar_binding(scalar: Scalar) -> tuple[int, str | None]:

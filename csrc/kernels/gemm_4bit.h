@@ -63,16 +63,14 @@
 //                (thread_elements) to group tiles, which sum BNB_MMA_GROUP = 8 steps (256 terms),
 //                and each finished group is added to the running sums, which therefore take one
 //                addition per 256 terms of K. Registers: three sets of 8 tiles (2 floats per thread
-//                each) instead of one; no more threadgroup memory, barriers or memory traffic.
+//                each).
 // A term therefore goes through at most 14 + ceil(K / 1024) roundings in gemv, 10 + ceil(K / 512) in
 // batch and 38 + ceil(K / 256) in mma, one more with a bias (one running sum over K: K roundings).
-// Cost, under the emulator's cost model (Library.profile): memory traffic, SIMD transactions,
-// threadgroup memory and barriers unchanged (tests/kernel_traffic.md); SIMD-group collectives per
-// row 5 shuffles instead of one simd_sum (gemv, batch: 640 instead of 128 for 128 rows at M = 1).
-// Arithmetic: gemv and batch one fused multiply-add per term (before: a multiply and an add) and
-// 3 additions per chunk; mma 2 additions per thread and tile per K step (+ 2 per group) next to
-// 64 fused multiply-adds per thread and tile, about 3.5% more; registers for the mma tiles:
-// 60 floats per thread instead of 28 (acc, group and part: 16 each; the operands 12).
+// Cost (Library.profile; traffic in tests/kernel_traffic.md): SIMD-group collectives, 5 shuffles per
+// row (gemv, batch: 640 for 128 rows at M = 1). Arithmetic: gemv and batch one fused multiply-add
+// per term and 3 additions per chunk; mma 2 additions per thread and tile per K step (+ 2 per group)
+// next to 64 fused multiply-adds per thread and tile; registers for the mma tiles: 60 floats per
+// thread (acc, group and part: 16 each; the operands 12).
 //
 // Memory access (coalescing): in the gemv kernel lane l of a simdgroup reads bytes
 // [16l, 16l + 16) of a 512-byte run of one weight row per step, so the 32 lanes' loads of a row

@@ -22,7 +22,7 @@
 //      weight in registers serves the M rows of A.
 // A chunk of 16 nibbles never spans two blocks when K % 16 == 0 (gemm_4bit.h, "Why a chunk ...").
 //
-// Accumulation (float32; issue 33's accuracy rule: error against float64 comparable to CUDA's):
+// Accumulation (float32; docs/semantics.md section 4: error against float64 comparable to CUDA's):
 // a lane keeps, per row of A, two accumulators that take alternate K steps; a step's 16 products
 // are summed as four chains of 4, added pairwise ((c0 + c1) + (c2 + c3)). At the end the two
 // accumulators are added, then the 8 lanes of a row combine pairwise (butterfly: lane ^ 4, ^ 2, ^ 1),
