@@ -67,6 +67,24 @@ def run_case(case: fam.Case, model) -> None:
         case.compare(fam._to_cpu(args[i]), want, f"{case.label}: argument {i} after the call")
 
 
+def tuned_gemm_4bit(model, tier, W, X) -> list:
+    """First-use tuning of one gemm_4bit call (X @ nf4(W).T) on the native tier, from a fresh tuning
+    state: the tuning table's gemm_4bit rows it leaves."""
+    import bnb_mps
+    from bnb_mps.ops import tuning
+
+    tuning.reset()
+    try:
+        with metal_model.serving_cpu_ops(tier):
+            packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, 64, "nf4", torch.uint8)
+            model.synchronize()
+            torch.ops.bitsandbytes.gemm_4bit(X, packed, list(W.shape), absmax, 64, "nf4")
+            model.synchronize()
+            return [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
+    finally:
+        tuning.reset()
+
+
 CPU_RUNS = [(f, n) for f in fam.FAMILIES for n in f.cpu_sizes]
 
 
@@ -456,16 +474,7 @@ def test_tuning_on_the_native_tier_times_batches_of_several_calls_by_their_comma
     g = torch.Generator().manual_seed(5)
     W = torch.randn(256, 128, generator=g)
     X = torch.randn(5, 128, generator=g).to(torch.float16)
-    tuning.reset()
-    try:
-        with metal_model.serving_cpu_ops(tier):
-            packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, 64, "nf4", torch.uint8)
-            model.synchronize()
-            torch.ops.bitsandbytes.gemm_4bit(X, packed, [256, 128], absmax, 64, "nf4")
-            model.synchronize()
-            rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
-    finally:
-        tuning.reset()
+    rows = tuned_gemm_4bit(model, tier, W, X)
     assert len(rows) == 1 and rows[0]["tier"] == "native" and rows[0]["clock"] == "gpu", rows
     times = rows[0]["times"]
     assert not rows[0]["errors"] and len(times) >= 3 and "dequantize+linear" in times, rows
@@ -515,16 +524,7 @@ def test_a_route_whose_command_buffers_abort_while_timed_is_not_taken_for_the_fa
     g = torch.Generator().manual_seed(9)
     W = torch.randn(192, 128, generator=g)
     X = torch.randn(3, 128, generator=g).to(torch.float16)
-    tuning.reset()
-    try:
-        with metal_model.serving_cpu_ops(tier):
-            packed, absmax = torch.ops.bitsandbytes.quantize_4bit(W, 64, "nf4", torch.uint8)
-            model.synchronize()
-            torch.ops.bitsandbytes.gemm_4bit(X, packed, [192, 128], absmax, 64, "nf4")
-            model.synchronize()
-            rows = [r for r in bnb_mps.tuning_table() if r["op"] == "gemm_4bit"]
-    finally:
-        tuning.reset()
+    rows = tuned_gemm_4bit(model, tier, W, X)
     assert faulted, "the mma route was not timed"
     assert rows == [], rows
     cache = tmp_path / "tune.json"
